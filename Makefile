@@ -1,0 +1,30 @@
+# Two commands from a fresh clone: `make test` and `make demo`. Both create .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test test-slow demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip==26.3
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+test: setup
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q
+
+test-slow: setup
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m slow
+
+demo: setup
+	JAX_PLATFORMS=cpu $(PY) -m train.flash_ffn_demo
+
+bench: setup
+	JAX_PLATFORMS=cpu $(PY) -m benchmarks.flash_ffn_memory
+
+clean:
+	rm -rf $(VENV) .pytest_cache

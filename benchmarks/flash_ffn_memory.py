@@ -1,0 +1,85 @@
+"""Activation memory and CPU time of one FFN layer's forward+backward.
+
+Shape: the paper's 370M config, d=1024, H=8 (d_h=128), E=11, d_e=256, against a SwiGLU
+of width 2752, batch 1. Memory is XLA's compiled temp_size_in_bytes of
+jit(grad(loss wrt x and all params)); the Pallas kernel is measured through its
+CPU (interpret) lowering, which allocates the kernel's blocked footprint.
+
+  python -m benchmarks.flash_ffn_memory --lengths=2048,8192,16384,32768 --time_lengths=2048,8192
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from flax import nnx
+
+from benchmarks.common import mib, temp_bytes, wall_seconds
+from models import FlashFFN, SwiGLU
+
+_LENGTHS = flags.DEFINE_list("lengths", ["2048", "8192", "16384", "32768"], "Sequence lengths.")
+_TIME_LENGTHS = flags.DEFINE_list("time_lengths", ["2048", "8192"],
+                                  "Lengths at which to time the XLA paths (CPU).")
+D, HEADS, EXPERTS, D_E, D_FF_SWIGLU = 1024, 8, 11, 256, 2752
+
+
+def layers():
+  """name -> (layer, remat): the five variants, built once."""
+  rngs = lambda: nnx.Rngs(0)
+  flash = lambda impl: FlashFFN(D, HEADS, EXPERTS, D_E, impl=impl, rngs=rngs())
+  return {
+      "SwiGLU (unfused)": (SwiGLU(D, D_FF_SWIGLU, rngs=rngs()), False),
+      "SwiGLU + jax.checkpoint": (SwiGLU(D, D_FF_SWIGLU, rngs=rngs()), True),
+      "naive multi-head FFN": (flash("reference"), False),
+      "FlashFFN XLA path": (flash("xla"), False),
+      "FlashFFN Pallas kernel": (flash("pallas"), False),
+  }
+
+
+def fwd_bwd(layer, remat: bool):
+  graphdef, params = nnx.split(layer)
+
+  def loss(params, x):
+    call = lambda p, x: nnx.merge(graphdef, p)(x)
+    if remat:
+      call = jax.checkpoint(call)
+    return jnp.sum(call(params, x) ** 2)
+
+  return jax.grad(loss, argnums=(0, 1)), params
+
+
+def main(_):
+  variants = layers()
+  lengths = [int(x) for x in _LENGTHS.value]
+  time_lengths = {int(x) for x in _TIME_LENGTHS.value}
+  print(f"| variant | " + " | ".join(f"L={n} MiB" for n in lengths) + " |")
+  print("|---|" + "---|" * len(lengths))
+  memory = {}
+  for name, (layer, remat) in variants.items():
+    fn, params = fwd_bwd(layer, remat)
+    row = []
+    for n in lengths:
+      x = jax.ShapeDtypeStruct((1, n, D), jnp.float32)
+      memory[name, n] = temp_bytes(fn, params, x)
+      row.append(mib(memory[name, n]))
+    print(f"| {name} | " + " | ".join(row) + " |", flush=True)
+  base = "SwiGLU (unfused)"
+  print("\nratio unfused SwiGLU / variant:")
+  for name in variants:
+    print(f"| {name} | " + " | ".join(f"{memory[base, n] / memory[name, n]:.1f}x"
+                                       for n in lengths) + " |")
+  print("\nCPU wall time of forward+backward (best of 3):")
+  for n in sorted(time_lengths):
+    x = jax.random.normal(jax.random.key(0), (1, n, D))
+    for name, (layer, remat) in variants.items():
+      if name == "FlashFFN Pallas kernel":
+        continue  # the interpreter's time says nothing about the kernel
+      fn, params = fwd_bwd(layer, remat)
+      print(f"| L={n} | {name} | {wall_seconds(fn, params, x):.2f} s |", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

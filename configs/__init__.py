@@ -1,0 +1,1 @@
+"""ml_collections configs, one file per experiment."""

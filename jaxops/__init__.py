@@ -1,0 +1,1 @@
+"""Pure-functional math: readable references and fast XLA paths (no Pallas imports)."""

@@ -1,0 +1,103 @@
+"""Multi-head FFN with a dense mixture of sub-networks per head (FlashFFN).
+
+Shapes (B batch, L tokens, H heads, d_h head width, E sub-networks per head, d_e
+sub-network width, d_ff = E * d_e):
+
+  q     [B, L, H, d_h]   per-head inputs (after W_in and the optional head norm)
+  r     [B, L, H, E]     router weights, already normalized
+  k,u,v [H, E, d_e, d_h] gate / up / down tables
+
+For each head h and sub-network e::
+
+  A_{h,e} = silu(q_h K_{h,e}^T) * (q_h U_{h,e}^T)          [L, d_e]
+  o_h     = sum_e r_{h,e} * (A_{h,e} V_{h,e})              [L, d_h]
+
+`mhffn_reference` writes this out literally; `mhffn` computes the same thing in
+token chunks with recomputation in the backward, so the [L, H, d_ff] intermediate
+only ever exists for one chunk. The Pallas kernel lives in
+`pallas_kernels.flash_ffn`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+
+
+def check_mhffn_inputs(q, r, k, u, v) -> None:
+  """Raises ValueError naming the argument when shapes or dtypes do not fit."""
+  for name, x, rank in (("q", q, 4), ("r", r, 4), ("k", k, 4), ("u", u, 4), ("v", v, 4)):
+    if x.ndim != rank:
+      raise ValueError(
+          f"mhffn: `{name}` must have rank {rank}, got shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"mhffn: `{name}` must be floating point, got {x.dtype}")
+  batch, length, heads, d_h = q.shape
+  h_k, experts, d_e, d_hk = k.shape
+  if h_k != heads or d_hk != d_h:
+    raise ValueError(
+        f"mhffn: `k` has shape {tuple(k.shape)}; expected [H={heads}, E, d_e, d_h={d_h}]"
+        f" to match q {tuple(q.shape)}")
+  for name, x in (("u", u), ("v", v)):
+    if x.shape != k.shape:
+      raise ValueError(
+          f"mhffn: `{name}` has shape {tuple(x.shape)}; expected the shape of k {tuple(k.shape)}")
+  if r.shape != (batch, length, heads, experts):
+    raise ValueError(
+        f"mhffn: `r` has shape {tuple(r.shape)}; expected [B, L, H, E] ="
+        f" {(batch, length, heads, experts)} from q {tuple(q.shape)} and k {tuple(k.shape)}")
+  if d_h % 8 or d_e % 8:
+    raise ValueError(
+        f"mhffn: d_h ({d_h}, from `q`) and d_e ({d_e}, from `k`) must be multiples of 8")
+
+
+def mhffn_reference(q, r, k, u, v):
+  """Plain float32 einsum form of the multi-head FFN. Returns o [B, L, H, d_h] in q.dtype."""
+  check_mhffn_inputs(q, r, k, u, v)
+  q32, r32, k32, u32, v32 = (x.astype(_F32) for x in (q, r, k, u, v))
+  m = jnp.einsum("blhd,hefd->blhef", q32, k32)
+  n = jnp.einsum("blhd,hefd->blhef", q32, u32)
+  a = jax.nn.silu(m) * n
+  s = jnp.einsum("blhef,hefd->blhed", a, v32)
+  return jnp.einsum("blhed,blhe->blhd", s, r32).astype(q.dtype)
+
+
+def _mhffn_dense(q, r, k, u, v):
+  """One token chunk: matmuls in the input dtype with f32 accumulation."""
+  m = jnp.einsum("blhd,hefd->blhef", q, k, preferred_element_type=_F32)
+  n = jnp.einsum("blhd,hefd->blhef", q, u, preferred_element_type=_F32)
+  a = jax.nn.silu(m) * n * r.astype(_F32)[..., None]
+  return jnp.einsum("blhef,hefd->blhd", a.astype(v.dtype), v, preferred_element_type=_F32)
+
+
+def mhffn(q, r, k, u, v, *, chunk: int = 512):
+  """Fast XLA path: `mhffn_reference` computed `chunk` tokens at a time.
+
+  Each chunk is wrapped in `jax.checkpoint`, so the backward pass recomputes the
+  [chunk, H, d_ff] intermediate instead of storing it for all L tokens: activation
+  memory is O(chunk * H * d_ff) rather than O(L * H * d_ff). Any L (padded inside).
+  """
+  check_mhffn_inputs(q, r, k, u, v)
+  if chunk <= 0:
+    raise ValueError(f"mhffn: `chunk` must be positive, got {chunk}")
+  batch, length = q.shape[:2]
+  chunk = min(chunk, length)
+  num_chunks = -(-length // chunk)
+  pad = num_chunks * chunk - length
+
+  def to_chunks(x):
+    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    return jnp.moveaxis(x.reshape(batch, num_chunks, chunk, *x.shape[2:]), 1, 0)
+
+  body = jax.checkpoint(lambda qr: _mhffn_dense(qr[0], qr[1], k, u, v))
+  o = jax.lax.map(body, (to_chunks(q), to_chunks(r)))
+  o = jnp.moveaxis(o, 0, 1).reshape(batch, num_chunks * chunk, *o.shape[3:])
+  return o[:, :length].astype(q.dtype)
+
+
+def swiglu(x, w_gate, w_up, w_down):
+  """The SwiGLU baseline: (silu(x W_gate) * (x W_up)) W_down, x [..., d], W_gate/W_up [d, d_ff]."""
+  h = jax.nn.silu(x @ w_gate) * (x @ w_up)
+  return h @ w_down

@@ -1,0 +1,120 @@
+"""FlashFFN and SwiGLU as Flax NNX layers with one call signature: y = layer(x), x [B, L, d]."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxops import flash_ffn as ffn_ops
+from pallas_kernels import flash_ffn as ffn_kernel
+
+Impl = Literal["pallas", "xla", "reference"]
+_IMPLS = ("pallas", "xla", "reference")
+
+
+def default_d_expert(d_head: int) -> int:
+  """The paper's alternative sub-network width: round_up(8/3 * d_h, 128)."""
+  return 128 * math.ceil(8 * d_head / 3 / 128)
+
+
+def flashffn_param_count(d_model: int, num_experts: int, d_expert: int) -> int:
+  """2 d^2 + 3 d d_ff + d E, d_ff = E d_e (head-norm gains, d more, not included)."""
+  return 2 * d_model**2 + 3 * d_model * num_experts * d_expert + d_model * num_experts
+
+
+def flashffn_matching_swiglu(d_model: int, d_ff: int, *, d_expert: int = 256) -> dict:
+  """FlashFFN shape whose parameter count is closest to a SwiGLU of width d_ff (3 d d_ff).
+
+  Returns {"num_experts": E, "d_expert": d_e}.
+  """
+  target = 3 * d_model * d_ff
+  experts = max(1, round((target - 2 * d_model**2) / (3 * d_model * d_expert + d_model)))
+  return {"num_experts": experts, "d_expert": d_expert}
+
+
+def _xavier(gain: float):
+  return jax.nn.initializers.variance_scaling(gain**2, "fan_avg", "uniform")
+
+
+class FlashFFN(nnx.Module):
+  """Multi-head FFN with a dense mixture of E sub-networks per head (DESIGN.md section 2).
+
+  x [B, L, d] -> q = x W_in split into H heads [B, L, H, d_h] -> optional per-head RMSNorm
+  -> router r = sigmoid(q W_r) / sum (float32) -> fused mixture (see `jaxops.flash_ffn`)
+  -> concat heads -> W_out. Params: 2 d^2 + 3 d d_ff + d E (+ d norm gains), d_ff = E d_e.
+
+  Args:
+    impl: "pallas" (fused kernel), "xla" (chunked XLA path) or "reference".
+    dtype: compute dtype (params are cast to it); None uses the input's dtype.
+  """
+
+  def __init__(self, d_model: int, num_heads: int, num_experts: int, d_expert: int, *,
+               head_norm: bool = True, impl: Impl = "pallas", chunk: int = 512,
+               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if d_model % num_heads:
+      raise ValueError(f"FlashFFN: d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+    if impl not in _IMPLS:
+      raise ValueError(f"FlashFFN: `impl` must be one of {_IMPLS}, got {impl!r}")
+    d_h = d_model // num_heads
+    self.num_heads, self.impl, self.chunk, self.dtype = num_heads, impl, chunk, dtype
+    table = jax.nn.initializers.normal(0.02)
+    self.w_in = nnx.Param(_xavier(0.707)(rngs.params(), (d_model, d_model), param_dtype))
+    self.norm_gain = (nnx.Param(jnp.ones((num_heads, d_h), param_dtype)) if head_norm else None)
+    self.router = nnx.Param(jax.nn.initializers.truncated_normal(0.02)(
+        rngs.params(), (num_heads, d_h, num_experts), param_dtype))
+    shape = (num_heads, num_experts, d_expert, d_h)
+    self.k = nnx.Param(table(rngs.params(), shape, param_dtype))
+    self.u = nnx.Param(table(rngs.params(), shape, param_dtype))
+    self.v = nnx.Param(table(rngs.params(), shape, param_dtype))
+    self.w_out = nnx.Param(_xavier(0.707)(rngs.params(), (d_model, d_model), param_dtype))
+
+  def heads_and_router(self, x):
+    """x [B, L, d] -> (q [B, L, H, d_h] in the compute dtype, r [B, L, H, E] float32)."""
+    dtype = self.dtype or x.dtype
+    q = (x.astype(dtype) @ self.w_in[...].astype(dtype))
+    q = q.reshape(*x.shape[:-1], self.num_heads, -1)
+    if self.norm_gain is not None:
+      q32 = q.astype(jnp.float32)
+      q32 = q32 * jax.lax.rsqrt(jnp.mean(q32 * q32, axis=-1, keepdims=True) + 1e-6)
+      q = (q32 * self.norm_gain[...].astype(jnp.float32)).astype(dtype)
+    z = jnp.einsum("blhd,hde->blhe", q.astype(jnp.float32), self.router[...].astype(jnp.float32))
+    sig = jax.nn.sigmoid(z)
+    r = sig / jnp.maximum(jnp.sum(sig, axis=-1, keepdims=True), 1e-20)
+    return q, r
+
+  def __call__(self, x):
+    if x.ndim != 3 or x.shape[-1] != self.w_in.shape[0]:
+      raise ValueError(f"FlashFFN: `x` must be [B, L, {self.w_in.shape[0]}], got {x.shape}")
+    q, r = self.heads_and_router(x)
+    dtype = q.dtype
+    k, u, v = (t[...].astype(dtype) for t in (self.k, self.u, self.v))
+    if self.impl == "pallas":
+      o = ffn_kernel.mhffn(q, r, k, u, v)
+    elif self.impl == "xla":
+      o = ffn_ops.mhffn(q, r, k, u, v, chunk=self.chunk)
+    else:
+      o = ffn_ops.mhffn_reference(q, r, k, u, v)
+    return o.reshape(x.shape[:-1] + (-1,)) @ self.w_out[...].astype(dtype)
+
+
+class SwiGLU(nnx.Module):
+  """The baseline FFN: (silu(x W_gate) * (x W_up)) W_down, 3 d d_ff params, x [B, L, d]."""
+
+  def __init__(self, d_model: int, d_ff: int, *, dtype=None, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    init = jax.nn.initializers.lecun_normal()
+    self.dtype = dtype
+    self.w_gate = nnx.Param(init(rngs.params(), (d_model, d_ff), param_dtype))
+    self.w_up = nnx.Param(init(rngs.params(), (d_model, d_ff), param_dtype))
+    self.w_down = nnx.Param(init(rngs.params(), (d_ff, d_model), param_dtype))
+
+  def __call__(self, x):
+    if x.shape[-1] != self.w_gate.shape[0]:
+      raise ValueError(f"SwiGLU: `x` must end in d_model={self.w_gate.shape[0]}, got {x.shape}")
+    dtype = self.dtype or x.dtype
+    w = [p[...].astype(dtype) for p in (self.w_gate, self.w_up, self.w_down)]
+    return ffn_ops.swiglu(x.astype(dtype), *w)

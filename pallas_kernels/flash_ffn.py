@@ -1,0 +1,538 @@
+"""Fused multi-head FFN (FlashFFN) as Pallas kernels, forward and backward.
+
+Math and shapes: `jaxops.flash_ffn` (the reference this kernel is tested against).
+The kernel never writes the d_ff-wide intermediate to HBM. For one head and one
+tile of `block_q` tokens it walks the reduction axis (expert e, d_e tile c)::
+
+  acc = 0                                        # [block_q, d_h] float32, on chip
+  for e, c:
+    m = q K[e,c]^T ; n = q U[e,c]^T              # [block_q, block_inter]
+    acc += (r[:, e] * silu(m) * n) V[e,c]
+
+Backward, recomputing m and n from (q, r, K, U, V) and the output cotangent ds::
+
+  da = ds V^T ;  dr[:, e] = rowsum(da * a)                   a = silu(m) * n
+  dm = r da n silu'(m) ;  dn = r da silu(m)                  silu'(x) = sig(x)(1 + x(1 - sig(x)))
+  dq = sum_{e,c} dm K + dn U                                 (kernel over query tiles)
+  dK = dm^T q ; dU = dn^T q ; dV = (r a)^T ds                (kernel over (e, c), looping over tokens)
+
+Two lowerings of the same tile math:
+- Mosaic (TPU): the reduction is a trailing "arbitrary" grid axis with a VMEM
+  float32 accumulator.
+- Triton (GPU): grid steps cannot carry state, so the reduction is a `fori_loop`
+  inside the kernel over tiles sliced from refs. Triton needs power-of-two block
+  sizes, so d_h and E are zero-padded to powers of two there (zero tables and zero
+  router weights contribute nothing).
+
+`mhffn` is the one public entry point. It dispatches with
+`jax.lax.platform_dependent`: Mosaic on TPU, Triton on GPU, the Mosaic kernel in
+interpret mode elsewhere (CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from jaxops.flash_ffn import check_mhffn_inputs
+
+_F32 = jnp.float32
+Backend = Literal["mosaic", "triton"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes. `block_q`: tokens per tile; `block_inter`: d_e columns per tile.
+
+  Both are upper bounds: small problems use smaller tiles (see `_fit`).
+  """
+
+  block_q: int = 256
+  block_inter: int = 128
+  block_q_dkv: int = 256  # tokens per step of the dK/dU/dV kernel's token loop
+
+  @classmethod
+  def for_backend(cls, backend: Backend) -> "BlockSizes":
+    if backend == "triton":  # register-file sized tiles for one warp group
+      return cls(block_q=64, block_inter=64, block_q_dkv=64)
+    return cls()
+
+
+# ----------------------------------------------------------------------------
+# Tile math shared by every kernel and both lowerings.
+# ----------------------------------------------------------------------------
+
+def _dot_nt(a, b):
+  """a @ b^T with float32 accumulation."""
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+
+
+def _dot_tn(a, b):
+  """a^T @ b with float32 accumulation."""
+  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
+
+
+def _dot(a, b):
+  return jnp.dot(a, b, preferred_element_type=_F32)
+
+
+def _column(r, e):
+  """r[:, e:e+1] for a traced e, as a masked row sum (works in Mosaic and Triton)."""
+  cols = jax.lax.broadcasted_iota(jnp.int32, r.shape, 1)
+  return jnp.sum(jnp.where(cols == e, r.astype(_F32), 0.0), axis=1, keepdims=True)
+
+
+def _onehot_row(e, shape):
+  cols = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  return (cols == e).astype(_F32)
+
+
+def _tile_forward(q, r_e, k, u, v):
+  """Contribution of one (expert, d_e tile) to the output: [block_q, d_h] f32."""
+  m = _dot_nt(q, k)
+  n = _dot_nt(q, u)
+  a = m * jax.nn.sigmoid(m) * n * r_e
+  return _dot(a.astype(v.dtype), v)
+
+
+def _tile_backward(q, r_e, ds, k, u, v):
+  """Recomputes one tile; returns (a, da, dm, dn), all [block_q, block_inter] f32."""
+  m = _dot_nt(q, k)
+  n = _dot_nt(q, u)
+  sig = jax.nn.sigmoid(m)
+  silu = m * sig
+  a = silu * n
+  da = _dot_nt(ds, v)
+  g = r_e * da
+  dm = g * n * sig * (1.0 + m * (1.0 - sig))
+  dn = g * silu
+  return a, da, dm, dn
+
+
+def _tile_dq_dr(q, r_e, ds, k, u, v):
+  a, da, dm, dn = _tile_backward(q, r_e, ds, k, u, v)
+  dq = _dot(dm.astype(k.dtype), k) + _dot(dn.astype(u.dtype), u)
+  dr_e = jnp.sum(da * a, axis=1, keepdims=True)
+  return dq, dr_e
+
+
+def _tile_dkuv(q, r_e, ds, k, u, v):
+  a, _, dm, dn = _tile_backward(q, r_e, ds, k, u, v)
+  dk = _dot_tn(dm.astype(q.dtype), q)
+  du = _dot_tn(dn.astype(q.dtype), q)
+  dv = _dot_tn((r_e * a).astype(ds.dtype), ds)
+  return dk, du, dv
+
+
+# ----------------------------------------------------------------------------
+# Mosaic (TPU) kernels: the reduction is the trailing grid axes.
+# Arrays are head-major: q, ds [H, T, d_h]; r [H, T, E]; k, u, v [H, E, d_e, d_h].
+# ----------------------------------------------------------------------------
+
+def _mosaic_fwd_kernel(q_ref, r_ref, k_ref, u_ref, v_ref, o_ref, acc_ref):
+  e, c = pl.program_id(2), pl.program_id(3)
+
+  @pl.when((e == 0) & (c == 0))
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  r_e = _column(r_ref[0], e)
+  acc_ref[...] += _tile_forward(q_ref[0], r_e, k_ref[0, 0], u_ref[0, 0], v_ref[0, 0])
+
+  @pl.when((e == pl.num_programs(2) - 1) & (c == pl.num_programs(3) - 1))
+  def _():
+    o_ref[0] = acc_ref[...].astype(o_ref.dtype)
+
+
+def _mosaic_dq_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dq_ref, dr_ref,
+                      dq_acc, dr_acc):
+  e, c = pl.program_id(2), pl.program_id(3)
+
+  @pl.when((e == 0) & (c == 0))
+  def _():
+    dq_acc[...] = jnp.zeros_like(dq_acc)
+    dr_acc[...] = jnp.zeros_like(dr_acc)
+
+  r = r_ref[0]
+  dq, dr_e = _tile_dq_dr(q_ref[0], _column(r, e), ds_ref[0], k_ref[0, 0], u_ref[0, 0],
+                         v_ref[0, 0])
+  dq_acc[...] += dq
+  dr_acc[...] += dr_e * _onehot_row(e, r.shape)
+
+  @pl.when((e == pl.num_programs(2) - 1) & (c == pl.num_programs(3) - 1))
+  def _():
+    dq_ref[0] = dq_acc[...].astype(dq_ref.dtype)
+    dr_ref[0] = dr_acc[...].astype(dr_ref.dtype)
+
+
+def _mosaic_dkuv_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dk_ref, du_ref, dv_ref,
+                        dk_acc, du_acc, dv_acc):
+  e, i = pl.program_id(1), pl.program_id(3)
+
+  @pl.when(i == 0)
+  def _():
+    dk_acc[...] = jnp.zeros_like(dk_acc)
+    du_acc[...] = jnp.zeros_like(du_acc)
+    dv_acc[...] = jnp.zeros_like(dv_acc)
+
+  dk, du, dv = _tile_dkuv(q_ref[0], _column(r_ref[0], e), ds_ref[0], k_ref[0, 0],
+                          u_ref[0, 0], v_ref[0, 0])
+  dk_acc[...] += dk
+  du_acc[...] += du
+  dv_acc[...] += dv
+
+  @pl.when(i == pl.num_programs(3) - 1)
+  def _():
+    dk_ref[0, 0] = dk_acc[...].astype(dk_ref.dtype)
+    du_ref[0, 0] = du_acc[...].astype(du_ref.dtype)
+    dv_ref[0, 0] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _mosaic_params(*semantics):
+  return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+def _mosaic_forward(q, r, k, u, v, bs: BlockSizes, interpret):
+  heads, tokens, d_h = q.shape
+  experts, d_e = k.shape[1:3]
+  bq, bi = bs.block_q, bs.block_inter
+  tok = lambda h, i, e, c: (h, i, 0)
+  tab = lambda h, i, e, c: (h, e, c, 0)
+  return pl.pallas_call(
+      _mosaic_fwd_kernel,
+      grid=(heads, tokens // bq, experts, d_e // bi),
+      in_specs=[pl.BlockSpec((1, bq, d_h), tok), pl.BlockSpec((1, bq, experts), tok)]
+      + [pl.BlockSpec((1, 1, bi, d_h), tab)] * 3,
+      out_specs=pl.BlockSpec((1, bq, d_h), tok),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      scratch_shapes=[pltpu.VMEM((bq, d_h), _F32)],
+      compiler_params=_mosaic_params("parallel", "parallel", "arbitrary", "arbitrary"),
+      interpret=interpret,
+      name="flash_ffn_fwd",
+  )(q, r, k, u, v)
+
+
+def _mosaic_backward(q, r, k, u, v, ds, bs: BlockSizes, interpret):
+  heads, tokens, d_h = q.shape
+  experts, d_e = k.shape[1:3]
+  bq, bi, bk = bs.block_q, bs.block_inter, bs.block_q_dkv
+  tok = lambda h, i, e, c: (h, i, 0)
+  tab = lambda h, i, e, c: (h, e, c, 0)
+  dq, dr = pl.pallas_call(
+      _mosaic_dq_kernel,
+      grid=(heads, tokens // bq, experts, d_e // bi),
+      in_specs=[pl.BlockSpec((1, bq, d_h), tok), pl.BlockSpec((1, bq, experts), tok),
+                pl.BlockSpec((1, bq, d_h), tok)] + [pl.BlockSpec((1, 1, bi, d_h), tab)] * 3,
+      out_specs=[pl.BlockSpec((1, bq, d_h), tok), pl.BlockSpec((1, bq, experts), tok)],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(r.shape, r.dtype)],
+      scratch_shapes=[pltpu.VMEM((bq, d_h), _F32), pltpu.VMEM((bq, experts), _F32)],
+      compiler_params=_mosaic_params("parallel", "parallel", "arbitrary", "arbitrary"),
+      interpret=interpret,
+      name="flash_ffn_bwd_dq",
+  )(q, r, ds, k, u, v)
+  # Grid (h, e, c, i): the token axis i is the reduction.
+  tok = lambda h, e, c, i: (h, i, 0)
+  tab = lambda h, e, c, i: (h, e, c, 0)
+  table = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  dk, du, dv = pl.pallas_call(
+      _mosaic_dkuv_kernel,
+      grid=(heads, experts, d_e // bi, tokens // bk),
+      in_specs=[pl.BlockSpec((1, bk, d_h), tok), pl.BlockSpec((1, bk, experts), tok),
+                pl.BlockSpec((1, bk, d_h), tok)] + [pl.BlockSpec((1, 1, bi, d_h), tab)] * 3,
+      out_specs=[pl.BlockSpec((1, 1, bi, d_h), tab)] * 3,
+      out_shape=[table] * 3,
+      scratch_shapes=[pltpu.VMEM((bi, d_h), _F32)] * 3,
+      compiler_params=_mosaic_params("parallel", "parallel", "parallel", "arbitrary"),
+      interpret=interpret,
+      name="flash_ffn_bwd_dkuv",
+  )(q, r, ds, k, u, v)
+  return dq, dr, dk, du, dv
+
+
+# ----------------------------------------------------------------------------
+# Triton (GPU) kernels: one program per (head, tile); reductions loop inside.
+# ----------------------------------------------------------------------------
+
+def _loop_tables(n_experts, n_inter, bi, body, init):
+  """fori_loop over every (expert e, d_e tile) pair: body(e, rows, carry) -> carry."""
+  def over_tiles(e, carry):
+    def tile(c, carry):
+      return body(e, pl.ds(pl.multiple_of(c * bi, bi), bi), carry)
+    return jax.lax.fori_loop(0, n_inter, tile, carry)
+  return jax.lax.fori_loop(0, n_experts, over_tiles, init)
+
+
+def _triton_fwd_kernel(q_ref, r_ref, k_ref, u_ref, v_ref, o_ref, *, bi, n_inter):
+  q, r = q_ref[0], r_ref[0]
+
+  def body(e, rows, acc):
+    return acc + _tile_forward(q, _column(r, e), k_ref[0, e, rows, :], u_ref[0, e, rows, :],
+                               v_ref[0, e, rows, :])
+
+  acc = _loop_tables(r.shape[1], n_inter, bi, body, jnp.zeros(o_ref.shape[1:], _F32))
+  o_ref[0] = acc.astype(o_ref.dtype)
+
+
+def _triton_dq_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dq_ref, dr_ref, *, bi,
+                      n_inter):
+  q, r, ds = q_ref[0], r_ref[0], ds_ref[0]
+
+  def body(e, rows, carry):
+    dq_acc, dr_acc = carry
+    dq, dr_e = _tile_dq_dr(q, _column(r, e), ds, k_ref[0, e, rows, :], u_ref[0, e, rows, :],
+                           v_ref[0, e, rows, :])
+    return dq_acc + dq, dr_acc + dr_e * _onehot_row(e, r.shape)
+
+  init = (jnp.zeros(q.shape, _F32), jnp.zeros(r.shape, _F32))
+  dq, dr = _loop_tables(r.shape[1], n_inter, bi, body, init)
+  dq_ref[0] = dq.astype(dq_ref.dtype)
+  dr_ref[0] = dr.astype(dr_ref.dtype)
+
+
+def _triton_dkuv_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dk_ref, du_ref, dv_ref, *,
+                        bk, n_tok):
+  e = pl.program_id(1)
+  k, u, v = k_ref[0, 0], u_ref[0, 0], v_ref[0, 0]
+
+  def step(i, carry):
+    rows = pl.ds(pl.multiple_of(i * bk, bk), bk)
+    r_e = _column(r_ref[0, rows, :], e)
+    grads = _tile_dkuv(q_ref[0, rows, :], r_e, ds_ref[0, rows, :], k, u, v)
+    return tuple(acc + g for acc, g in zip(carry, grads))
+
+  init = (jnp.zeros(k.shape, _F32),) * 3
+  dk, du, dv = jax.lax.fori_loop(0, n_tok, step, init)
+  dk_ref[0, 0] = dk.astype(dk_ref.dtype)
+  du_ref[0, 0] = du.astype(du_ref.dtype)
+  dv_ref[0, 0] = dv.astype(dv_ref.dtype)
+
+
+_TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
+
+
+def _triton_forward(q, r, k, u, v, bs: BlockSizes, interpret):
+  heads, tokens, d_h = q.shape
+  experts, d_e = k.shape[1:3]
+  bq, bi = bs.block_q, bs.block_inter
+  tok = lambda h, i: (h, i, 0)
+  whole = pl.BlockSpec((1, experts, d_e, d_h), lambda h, i: (h, 0, 0, 0))
+  return pl.pallas_call(
+      functools.partial(_triton_fwd_kernel, bi=bi, n_inter=d_e // bi),
+      grid=(heads, tokens // bq),
+      in_specs=[pl.BlockSpec((1, bq, d_h), tok), pl.BlockSpec((1, bq, experts), tok)]
+      + [whole] * 3,
+      out_specs=pl.BlockSpec((1, bq, d_h), tok),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=_TRITON_PARAMS,
+      interpret=interpret,
+      name="flash_ffn_fwd",
+  )(q, r, k, u, v)
+
+
+def _triton_backward(q, r, k, u, v, ds, bs: BlockSizes, interpret):
+  heads, tokens, d_h = q.shape
+  experts, d_e = k.shape[1:3]
+  bq, bi, bk = bs.block_q, bs.block_inter, bs.block_q_dkv
+  tok = lambda h, i: (h, i, 0)
+  whole = pl.BlockSpec((1, experts, d_e, d_h), lambda h, i: (h, 0, 0, 0))
+  dq, dr = pl.pallas_call(
+      functools.partial(_triton_dq_kernel, bi=bi, n_inter=d_e // bi),
+      grid=(heads, tokens // bq),
+      in_specs=[pl.BlockSpec((1, bq, d_h), tok), pl.BlockSpec((1, bq, experts), tok),
+                pl.BlockSpec((1, bq, d_h), tok)] + [whole] * 3,
+      out_specs=[pl.BlockSpec((1, bq, d_h), tok), pl.BlockSpec((1, bq, experts), tok)],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(r.shape, r.dtype)],
+      compiler_params=_TRITON_PARAMS,
+      interpret=interpret,
+      name="flash_ffn_bwd_dq",
+  )(q, r, ds, k, u, v)
+  # Grid (h, e, c): each program owns one table tile and loops over all tokens.
+  tab = lambda h, e, c: (h, e, c, 0)
+  all_tok = lambda h, e, c: (h, 0, 0)
+  table = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  dk, du, dv = pl.pallas_call(
+      functools.partial(_triton_dkuv_kernel, bk=bk, n_tok=tokens // bk),
+      grid=(heads, experts, d_e // bi),
+      in_specs=[pl.BlockSpec((1, tokens, d_h), all_tok),
+                pl.BlockSpec((1, tokens, experts), all_tok),
+                pl.BlockSpec((1, tokens, d_h), all_tok)]
+      + [pl.BlockSpec((1, 1, bi, d_h), tab)] * 3,
+      out_specs=[pl.BlockSpec((1, 1, bi, d_h), tab)] * 3,
+      out_shape=[table] * 3,
+      compiler_params=_TRITON_PARAMS,
+      interpret=interpret,
+      name="flash_ffn_bwd_dkuv",
+  )(q, r, ds, k, u, v)
+  return dq, dr, dk, du, dv
+
+
+# ----------------------------------------------------------------------------
+# Layout: [B, L, H, X] <-> head-major [H, T, X] padded to the tile sizes.
+# ----------------------------------------------------------------------------
+
+_KERNELS = {
+    "mosaic": (_mosaic_forward, _mosaic_backward),
+    "triton": (_triton_forward, _triton_backward),
+}
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _pow2(x: int, minimum: int = 16) -> int:
+  return max(minimum, 1 << max(0, x - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Fitted tile sizes and padded extents for one backend and one problem size."""
+
+  blocks: BlockSizes
+  tokens: int
+  d_h: int
+  experts: int
+  d_e: int
+
+  @classmethod
+  def make(cls, backend: Backend, blocks: BlockSizes, tokens, d_h, experts, d_e) -> "_Plan":
+    if backend == "triton":  # power-of-two tiles, >= 16 for tl.dot
+      fit_tok = lambda b: min(b, _pow2(tokens))
+      bi = min(blocks.block_inter, _pow2(d_e))
+      d_h, experts = _pow2(d_h), _pow2(experts, minimum=1)
+    else:  # Mosaic: second-minor block dims multiples of 8
+      fit_tok = lambda b: min(b, _round_up(tokens, 8))
+      bi = min(blocks.block_inter, d_e)
+    bq, bk = fit_tok(blocks.block_q), fit_tok(blocks.block_q_dkv)
+    tile = max(bq, bk)
+    if tile % bq or tile % bk:
+      raise ValueError(f"block_q ({bq}) and block_q_dkv ({bk}) must divide one another")
+    return cls(BlockSizes(bq, bi, bk), _round_up(tokens, tile), d_h, experts,
+               _round_up(d_e, bi))
+
+  def to_heads(self, x, width: int):
+    """[B, L, H, X] -> [H, T, width], zero-padded (X is d_h or E)."""
+    b, l, h, x_width = x.shape
+    x = jnp.moveaxis(x, 2, 0).reshape(h, b * l, x_width)
+    return jnp.pad(x, ((0, 0), (0, self.tokens - b * l), (0, width - x_width)))
+
+  def from_heads(self, x, like):
+    """Inverse of `to_heads` for an array shaped like `like` [B, L, H, X]."""
+    b, l, h, width = like.shape
+    x = x[:, :b * l, :width].reshape(h, b, l, width)
+    return jnp.moveaxis(x, 0, 2)
+
+  def table_in(self, t):
+    return jnp.pad(t, ((0, 0), (0, self.experts - t.shape[1]), (0, self.d_e - t.shape[2]),
+                       (0, self.d_h - t.shape[3])))
+
+  @staticmethod
+  def table_out(t, like):
+    _, e, f, d = like.shape
+    return t[:, :e, :f, :d]
+
+
+def _plan_for(backend: Backend, blocks: BlockSizes, q, k) -> _Plan:
+  b, l, _, d_h = q.shape
+  return _Plan.make(backend, blocks, b * l, d_h, k.shape[1], k.shape[2])
+
+
+def _forward(backend: Backend, interpret, blocks: BlockSizes, q, r, k, u, v):
+  plan = _plan_for(backend, blocks, q, k)
+  o = _KERNELS[backend][0](
+      plan.to_heads(q, plan.d_h), plan.to_heads(r, plan.experts),
+      *(plan.table_in(t) for t in (k, u, v)), plan.blocks, interpret)
+  return plan.from_heads(o, q)
+
+
+def _backward(backend: Backend, interpret, blocks: BlockSizes, q, r, k, u, v, ds):
+  plan = _plan_for(backend, blocks, q, k)
+  dq, dr, dk, du, dv = _KERNELS[backend][1](
+      plan.to_heads(q, plan.d_h), plan.to_heads(r, plan.experts),
+      *(plan.table_in(t) for t in (k, u, v)), plan.to_heads(ds.astype(q.dtype), plan.d_h),
+      plan.blocks, interpret)
+  return (plan.from_heads(dq, q), plan.from_heads(dr, r),
+          *(plan.table_out(t, k) for t in (dk, du, dv)))
+
+
+# ----------------------------------------------------------------------------
+# Dispatch and autodiff.
+# ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  backend: Backend | None  # None: pick per platform
+  interpret: object  # None (interpret on CPU only), False, True or pltpu.InterpretParams
+  blocks: dict  # BlockSizes overrides, as a sorted tuple of items
+
+  def blocks_for(self, backend: Backend) -> BlockSizes:
+    return dataclasses.replace(BlockSizes.for_backend(backend), **dict(self.blocks))
+
+
+def _dispatch(fn, cfg: _Config, *args):
+  """Runs fn(backend, interpret, blocks, *args) on the lowering the platform calls for."""
+  if cfg.interpret:
+    backend = cfg.backend or "mosaic"
+    return fn(backend, cfg.interpret, cfg.blocks_for(backend), *args)
+  branch = lambda backend, interpret: functools.partial(
+      fn, backend, interpret, cfg.blocks_for(backend))
+
+  def no_kernel(*_):
+    raise ValueError("mhffn: no compiled Pallas lowering for this platform; pass interpret=True")
+
+  default = branch(cfg.backend or "mosaic", True) if cfg.interpret is None else no_kernel
+  if cfg.backend is not None:
+    return jax.lax.platform_dependent(*args, default=default,
+                                      **{"tpu" if cfg.backend == "mosaic" else "cuda":
+                                         branch(cfg.backend, False)})
+  return jax.lax.platform_dependent(*args, tpu=branch("mosaic", False),
+                                    cuda=branch("triton", False), default=default)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mhffn(q, r, k, u, v, cfg: _Config):
+  return _dispatch(_forward, cfg, q, r, k, u, v)
+
+
+def _mhffn_fwd(q, r, k, u, v, cfg):
+  return _mhffn(q, r, k, u, v, cfg), (q, r, k, u, v)
+
+
+def _mhffn_bwd(cfg, residuals, ds):
+  return _dispatch(_backward, cfg, *residuals, ds)
+
+
+_mhffn.defvjp(_mhffn_fwd, _mhffn_bwd)
+
+
+def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **block_sizes):
+  """Fused multi-head FFN, differentiable in all five inputs.
+
+  Args:
+    q: [B, L, H, d_h] per-head inputs (float32 or bfloat16).
+    r: [B, L, H, E] normalized router weights.
+    k, u, v: [H, E, d_e, d_h] gate / up / down tables.
+    interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Triton);
+      True (or a `pltpu.InterpretParams`) interprets everywhere; False never interprets.
+    backend: force one lowering ("mosaic" or "triton"); with `interpret` this runs the
+      other platform's kernel body on CPU.
+    **block_sizes: overrides of `BlockSizes` fields (block_q, block_inter, block_q_dkv).
+
+  Returns:
+    o: [B, L, H, d_h] in q.dtype; matmuls in the input dtype with float32 accumulation.
+  """
+  check_mhffn_inputs(q, r, k, u, v)
+  unknown = set(block_sizes) - {f.name for f in dataclasses.fields(BlockSizes)}
+  if unknown:
+    raise ValueError(f"mhffn: unknown block size(s) {sorted(unknown)}; see BlockSizes")
+  if backend not in (None, "mosaic", "triton"):
+    raise ValueError(f"mhffn: `backend` must be None, 'mosaic' or 'triton', got {backend!r}")
+  cfg = _Config(backend, interpret, tuple(sorted(block_sizes.items())))
+  return _mhffn(q, r, k, u, v, cfg)

@@ -1,0 +1,171 @@
+"""FlashFFN: every path (XLA chunks, Mosaic and Triton kernel bodies) against the reference."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxops import flash_ffn as ops
+from models import FlashFFN, SwiGLU, flashffn_matching_swiglu
+from pallas_kernels import flash_ffn as kernel
+from tests import kernel_checks
+
+# Odd L, several experts, d_e spanning two tiles with a partial one (24 = 16 + 8 padded).
+B, L, H, D_H, E, D_E = 2, 77, 2, 16, 3, 24
+SMALL_BLOCKS = dict(block_q=32, block_inter=16, block_q_dkv=64)
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}  # relative to max|reference|
+
+PATHS = {
+    "xla": functools.partial(ops.mhffn, chunk=16),
+    "mosaic": functools.partial(kernel.mhffn, interpret=True, backend="mosaic", **SMALL_BLOCKS),
+    "triton": functools.partial(kernel.mhffn, interpret=True, backend="triton", **SMALL_BLOCKS),
+}
+
+
+def make_inputs(dtype, shape=(B, L, H, D_H, E, D_E), seed=0):
+  b, l, h, d_h, e, d_e = shape
+  ks = jax.random.split(jax.random.key(seed), 5)
+  q = jax.random.normal(ks[0], (b, l, h, d_h), jnp.float32)
+  r = jax.nn.softmax(2 * jax.random.normal(ks[1], (b, l, h, e)), axis=-1)
+  tables = [0.3 * jax.random.normal(kk, (h, e, d_e, d_h)) for kk in ks[2:]]
+  return (q.astype(dtype), r, *(t.astype(dtype) for t in tables))
+
+
+def _loss(op, *args):
+  # A non-linear readout so the cotangent is not uniform.
+  return jnp.sum(jnp.sin(op(*args).astype(jnp.float32)))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(path: str):
+  op = ops.mhffn_reference if path == "reference" else PATHS[path]
+  value_and_grad = jax.value_and_grad(functools.partial(_loss, op), argnums=(0, 1, 2, 3, 4))
+  return jax.jit(lambda *a: (op(*a), value_and_grad(*a)[1]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_matches_reference_forward_and_gradients(path, dtype):
+  args = make_inputs(dtype)
+  # The reference sees the same (possibly bf16-rounded) inputs, computed in float32.
+  out_ref, grads_ref = _compiled("reference")(*(a.astype(jnp.float32) for a in args))
+  out, grads = _compiled(path)(*args)
+  assert out.dtype == dtype and out.shape == (B, L, H, D_H)
+  kernel_checks.assert_close(out, out_ref, rtol=TOL[dtype], name="o")
+  for name, g, g_ref, a in zip("qrkuv", grads, grads_ref, args):
+    assert g.shape == a.shape and g.dtype == a.dtype, name
+    kernel_checks.assert_close(g, g_ref, rtol=TOL[dtype], name=f"d{name}")
+
+
+def test_reference_equals_literal_loop():
+  """The einsum reference against a per-head, per-expert loop written from DESIGN.md."""
+  q, r, k, u, v = make_inputs(jnp.float32, shape=(1, 9, 2, 8, 2, 8))
+  expected = np.zeros(q.shape, np.float32)
+  for h in range(2):
+    for e in range(2):
+      a = jax.nn.silu(q[0, :, h] @ k[h, e].T) * (q[0, :, h] @ u[h, e].T)
+      expected[0, :, h] += np.asarray(r[0, :, h, e:e + 1] * (a @ v[h, e]))
+  kernel_checks.assert_close(ops.mhffn_reference(q, r, k, u, v), expected, rtol=1e-5)
+
+
+def test_default_dispatch_interprets_on_cpu():
+  args = make_inputs(jnp.float32, shape=(1, 19, 2, 8, 2, 16))
+  kernel_checks.assert_close(kernel.mhffn(*args), ops.mhffn_reference(*args), rtol=1e-5)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_lowers_for_hardware(platform):
+  """Forward and gradient lower to Pallas kernels (1 forward, 2 backward) at the paper shape."""
+  spec = lambda *s, d=jnp.bfloat16: jax.ShapeDtypeStruct(s, d)
+  args = (spec(1, 1000, 8, 128), spec(1, 1000, 8, 11, d=jnp.float32),
+          *(spec(8, 11, 256, 128),) * 3)
+  kernel_checks.assert_lowers_to_kernels(kernel.mhffn, platform, *args, count=1)
+  grad = jax.grad(functools.partial(_loss, kernel.mhffn), argnums=(0, 1, 2, 3, 4))
+  kernel_checks.assert_lowers_to_kernels(grad, platform, *args, count=3)
+
+
+def test_no_races_and_no_uninitialized_reads():
+  args = make_inputs(jnp.float32, shape=(1, 40, 1, 8, 2, 16))
+  op = functools.partial(kernel.mhffn, interpret=kernel_checks.race_params(), block_q=16,
+                         block_inter=8, block_q_dkv=16)
+  out, grads = jax.value_and_grad(functools.partial(_loss, op), argnums=(0, 1, 2, 3, 4))(*args)
+  kernel_checks.assert_no_races()
+  _, grads_ref = _compiled("reference")(*args)
+  for g, g_ref in zip(grads, grads_ref):  # NaN-filled scratch would show up here
+    kernel_checks.assert_close(g, g_ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("op", [ops.mhffn_reference, ops.mhffn, kernel.mhffn],
+                         ids=["reference", "xla", "pallas"])
+@pytest.mark.parametrize("bad, match", [
+    (lambda q, r, k, u, v: (q[0], r, k, u, v), "`q` must have rank 4"),
+    (lambda q, r, k, u, v: (q, r, k[:1], u, v), "`k` has shape"),
+    (lambda q, r, k, u, v: (q, r, k, u[:, :1], v), "`u` has shape"),
+    (lambda q, r, k, u, v: (q, r[..., :1], k, u, v), "`r` has shape"),
+    (lambda q, r, k, u, v: (q, r[:, :3], k, u, v), "`r` has shape"),
+    (lambda q, r, k, u, v: (q[..., :6], r, k[..., :6], u[..., :6], v[..., :6]), "multiples of 8"),
+])
+def test_bad_inputs_name_the_argument(op, bad, match):
+  with pytest.raises(ValueError, match=match):
+    op(*bad(*make_inputs(jnp.float32, shape=(1, 5, 2, 8, 2, 8))))
+
+
+def test_unknown_block_size_is_an_error():
+  with pytest.raises(ValueError, match="block_k"):
+    kernel.mhffn(*make_inputs(jnp.float32, shape=(1, 5, 2, 8, 2, 8)), block_k=8)
+
+
+# ----------------------------------------------------------------------------- layers
+
+D_MODEL, HEADS, EXPERTS, D_EXPERT = 32, 2, 3, 24
+
+
+def test_layer_parameter_count():
+  count = lambda m: sum(p.size for p in jax.tree.leaves(nnx.state(m, nnx.Param)))
+  d, d_ff = D_MODEL, EXPERTS * D_EXPERT
+  formula = 2 * d * d + 3 * d * d_ff + d * EXPERTS
+  plain = FlashFFN(D_MODEL, HEADS, EXPERTS, D_EXPERT, head_norm=False, rngs=nnx.Rngs(0))
+  assert count(plain) == formula
+  normed = FlashFFN(D_MODEL, HEADS, EXPERTS, D_EXPERT, rngs=nnx.Rngs(0))
+  assert count(normed) == formula + d  # plus the per-head norm gains
+  assert count(SwiGLU(D_MODEL, 64, rngs=nnx.Rngs(0))) == 3 * D_MODEL * 64
+
+
+def test_layer_impls_agree_and_router_is_normalized():
+  x = jax.random.normal(jax.random.key(3), (2, 13, D_MODEL))
+  outs = {impl: FlashFFN(D_MODEL, HEADS, EXPERTS, D_EXPERT, impl=impl, rngs=nnx.Rngs(0))(x)
+          for impl in ("pallas", "xla", "reference")}
+  for impl in ("pallas", "xla"):
+    kernel_checks.assert_close(outs[impl], outs["reference"], rtol=1e-5, name=impl)
+  layer = FlashFFN(D_MODEL, HEADS, EXPERTS, D_EXPERT, rngs=nnx.Rngs(0))
+  q, r = layer.heads_and_router(x)
+  assert q.shape == (2, 13, HEADS, D_MODEL // HEADS) and r.dtype == jnp.float32
+  np.testing.assert_allclose(np.sum(r, axis=-1), 1.0, rtol=1e-6)
+
+
+def test_swiglu_has_the_same_signature():
+  x = jax.random.normal(jax.random.key(4), (2, 5, D_MODEL))
+  assert SwiGLU(D_MODEL, 48, rngs=nnx.Rngs(0))(x).shape == x.shape
+  assert FlashFFN(D_MODEL, HEADS, EXPERTS, D_EXPERT, rngs=nnx.Rngs(0))(x).shape == x.shape
+
+
+def test_matching_swiglu_shape():
+  d, d_ff = 1024, 2752
+  shape = flashffn_matching_swiglu(d, d_ff, d_expert=256)
+  flash = 2 * d * d + 3 * d * shape["num_experts"] * 256 + d * shape["num_experts"]
+  swiglu = 3 * d * d_ff
+  # The nearest E: one expert more or less is further from the SwiGLU count.
+  for other in (shape["num_experts"] - 1, shape["num_experts"] + 1):
+    assert abs(flash - swiglu) <= abs(2 * d * d + 3 * d * other * 256 + d * other - swiglu)
+
+
+def test_layer_rejects_bad_config():
+  with pytest.raises(ValueError, match="impl"):
+    FlashFFN(D_MODEL, HEADS, EXPERTS, D_EXPERT, impl="cuda", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="num_heads"):
+    FlashFFN(30, 4, EXPERTS, D_EXPERT, rngs=nnx.Rngs(0))

@@ -1,0 +1,1 @@
+"""Training: absl binaries, data, sharding, checkpointing, metrics."""
