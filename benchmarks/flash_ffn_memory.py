@@ -3,9 +3,14 @@
 Shape: the paper's 370M config, d=1024, H=8 (d_h=128), E=11, d_e=256, against a SwiGLU
 of width 2752, batch 1. Memory is XLA's compiled temp_size_in_bytes of
 jit(grad(loss wrt x and all params)); the Pallas kernel is measured through its
-CPU (interpret) lowering, which allocates the kernel's blocked footprint.
+CPU interpreters. The TPU interpreter (`pltpu.InterpretParams`) keeps the kernel's
+blocks outside XLA, as VMEM is outside HBM, so XLA's temp counts exactly the buffers the
+program around the kernel allocates: the number that carries to hardware. The default
+CPU interpreter (`interpret=True`) discharges the kernel into an XLA while loop whose
+carries copy every operand; it is shown too, as an upper bound.
 
   python -m benchmarks.flash_ffn_memory --lengths=2048,8192,16384,32768 --time_lengths=2048,8192
+  python -m benchmarks.flash_ffn_memory --dtype=bfloat16 --time_lengths=
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
+from jax.experimental.pallas import tpu as pltpu
 
 from benchmarks.common import mib, temp_bytes, wall_seconds
 from models import FlashFFN, SwiGLU
 
 _LENGTHS = flags.DEFINE_list("lengths", ["2048", "8192", "16384", "32768"], "Sequence lengths.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                           "Compute dtype of the layers (parameters stay float32).")
 _TIME_LENGTHS = flags.DEFINE_list("time_lengths", ["2048", "8192"],
                                   "Lengths at which to time the XLA paths (CPU).")
 D, HEADS, EXPERTS, D_E, D_FF_SWIGLU = 1024, 8, 11, 256, 2752
@@ -29,13 +37,17 @@ D, HEADS, EXPERTS, D_E, D_FF_SWIGLU = 1024, 8, 11, 256, 2752
 def layers():
   """name -> (layer, remat): the five variants, built once."""
   rngs = lambda: nnx.Rngs(0)
-  flash = lambda impl: FlashFFN(D, HEADS, EXPERTS, D_E, impl=impl, rngs=rngs())
+  dtype = jnp.dtype(_DTYPE.value)
+  flash = lambda impl, **kw: FlashFFN(D, HEADS, EXPERTS, D_E, impl=impl, dtype=dtype,
+                                      rngs=rngs(), **kw)
   return {
-      "SwiGLU (unfused)": (SwiGLU(D, D_FF_SWIGLU, rngs=rngs()), False),
-      "SwiGLU + jax.checkpoint": (SwiGLU(D, D_FF_SWIGLU, rngs=rngs()), True),
+      "SwiGLU (unfused)": (SwiGLU(D, D_FF_SWIGLU, dtype=dtype, rngs=rngs()), False),
+      "SwiGLU + jax.checkpoint": (SwiGLU(D, D_FF_SWIGLU, dtype=dtype, rngs=rngs()), True),
       "naive multi-head FFN": (flash("reference"), False),
       "FlashFFN XLA path": (flash("xla"), False),
-      "FlashFFN Pallas kernel": (flash("pallas"), False),
+      "FlashFFN Pallas kernel (TPU interpreter)": (
+          flash("pallas", interpret=pltpu.InterpretParams()), False),
+      "FlashFFN Pallas kernel (interpret=True)": (flash("pallas", interpret=True), False),
   }
 
 
@@ -46,7 +58,7 @@ def fwd_bwd(layer, remat: bool):
     call = lambda p, x: nnx.merge(graphdef, p)(x)
     if remat:
       call = jax.checkpoint(call)
-    return jnp.sum(call(params, x) ** 2)
+    return jnp.sum(call(params, x).astype(jnp.float32) ** 2)
 
   return jax.grad(loss, argnums=(0, 1)), params
 
@@ -62,7 +74,7 @@ def main(_):
     fn, params = fwd_bwd(layer, remat)
     row = []
     for n in lengths:
-      x = jax.ShapeDtypeStruct((1, n, D), jnp.float32)
+      x = jax.ShapeDtypeStruct((1, n, D), _DTYPE.value)
       memory[name, n] = temp_bytes(fn, params, x)
       row.append(mib(memory[name, n]))
     print(f"| {name} | " + " | ".join(row) + " |", flush=True)
@@ -73,9 +85,9 @@ def main(_):
                                        for n in lengths) + " |")
   print("\nCPU wall time of forward+backward (best of 3):")
   for n in sorted(time_lengths):
-    x = jax.random.normal(jax.random.key(0), (1, n, D))
+    x = jax.random.normal(jax.random.key(0), (1, n, D), _DTYPE.value)
     for name, (layer, remat) in variants.items():
-      if name == "FlashFFN Pallas kernel":
+      if name.startswith("FlashFFN Pallas kernel"):
         continue  # the interpreter's time says nothing about the kernel
       fn, params = fwd_bwd(layer, remat)
       print(f"| L={n} | {name} | {wall_seconds(fn, params, x):.2f} s |", flush=True)

@@ -65,11 +65,23 @@ def mhffn_reference(q, r, k, u, v):
 
 
 def _mhffn_dense(q, r, k, u, v):
-  """One token chunk: matmuls in the input dtype with f32 accumulation."""
-  m = jnp.einsum("blhd,hefd->blhef", q, k, preferred_element_type=_F32)
-  n = jnp.einsum("blhd,hefd->blhef", q, u, preferred_element_type=_F32)
-  a = jax.nn.silu(m) * n * r.astype(_F32)[..., None]
-  return jnp.einsum("blhef,hefd->blhd", a.astype(v.dtype), v, preferred_element_type=_F32)
+  """One token chunk: matmuls in the input dtype with float32 accumulation.
+
+  Head-major inside, with the E sub-networks of a head side by side (n = E * d_e), so
+  every matmul is a plain batched [L, d_h] x [d_h, n] or [L, n] x [n, d_h] product and
+  the [L, H, d_ff] intermediate is never transposed.
+  """
+  heads, experts, d_e, d_h = k.shape
+  lead = q.shape[:-2]
+  qh = jnp.moveaxis(q.reshape(-1, heads, d_h), 1, 0)                  # [H, T, d_h]
+  rh = jnp.moveaxis(r.reshape(-1, heads, experts), 1, 0).astype(_F32)  # [H, T, E]
+  flat = lambda t: t.reshape(heads, experts * d_e, d_h)
+  m = jnp.einsum("htd,hnd->htn", qh, flat(k), preferred_element_type=_F32)
+  n = jnp.einsum("htd,hnd->htn", qh, flat(u), preferred_element_type=_F32)
+  a = (jax.nn.silu(m) * n).reshape(*m.shape[:2], experts, d_e) * rh[..., None]
+  o = jnp.einsum("htn,hnd->htd", a.reshape(m.shape).astype(v.dtype), flat(v),
+                 preferred_element_type=_F32)
+  return jnp.moveaxis(o, 0, 1).reshape(*lead, heads, d_h)
 
 
 def mhffn(q, r, k, u, v, *, chunk: int = 512):

@@ -36,6 +36,31 @@ def flashffn_matching_swiglu(d_model: int, d_ff: int, *, d_expert: int = 256) ->
   return {"num_experts": experts, "d_expert": d_expert}
 
 
+def heads_and_router(x, w_in, norm_gain, router, *, dtype):
+  """Per-head inputs and router weights of FlashFFN.
+
+  q = x W_in split into heads, q_h <- RMSNorm(q_h) * gain_h (if a gain is given),
+  r_h = sigmoid(q_h W_r^h) / max(sum_e sigmoid(q_h W_r^h)_e, 1e-20) in float32.
+  x [B, L, d], w_in [d, d], norm_gain [H, d_h] or None, router [H, d_h, E]
+  -> q [B, L, H, d_h] (dtype), r [B, L, H, E] (float32).
+  """
+  heads, d_h, experts = router.shape
+  lead = x.shape[:-1]
+  q = (x.astype(dtype) @ w_in.astype(dtype)).reshape(*lead, heads, d_h)
+  if norm_gain is not None:
+    q32 = q.astype(jnp.float32)
+    q32 = q32 * jax.lax.rsqrt(jnp.mean(q32 * q32, axis=-1, keepdims=True) + 1e-6)
+    q = (q32 * norm_gain.astype(jnp.float32)).astype(dtype)
+  # All heads' z_h = q_h W_r^h as one plain matmul with the block-diagonal [H d_h, H E]
+  # router: a batched-over-heads einsum makes XLA transpose q and its gradient to
+  # head-major, two extra [L, d] buffers.
+  block_diag = jnp.einsum("hde,hg->hdge", router.astype(jnp.float32),
+                          jnp.eye(heads, dtype=jnp.float32)).reshape(heads * d_h, heads * experts)
+  z = q.astype(jnp.float32).reshape(*lead, heads * d_h) @ block_diag
+  sig = jax.nn.sigmoid(z.reshape(*lead, heads, experts))
+  return q, sig / jnp.maximum(jnp.sum(sig, axis=-1, keepdims=True), 1e-20)
+
+
 def _xavier(gain: float):
   return jax.nn.initializers.variance_scaling(gain**2, "fan_avg", "uniform")
 
@@ -49,18 +74,21 @@ class FlashFFN(nnx.Module):
 
   Args:
     impl: "pallas" (fused kernel), "xla" (chunked XLA path) or "reference".
+    chunk: tokens per chunk of the "xla" path.
+    interpret: passed to the Pallas kernel (None: interpret on CPU only).
     dtype: compute dtype (params are cast to it); None uses the input's dtype.
   """
 
   def __init__(self, d_model: int, num_heads: int, num_experts: int, d_expert: int, *,
                head_norm: bool = True, impl: Impl = "pallas", chunk: int = 512,
-               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               interpret=None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     if d_model % num_heads:
       raise ValueError(f"FlashFFN: d_model ({d_model}) must be divisible by num_heads ({num_heads})")
     if impl not in _IMPLS:
       raise ValueError(f"FlashFFN: `impl` must be one of {_IMPLS}, got {impl!r}")
     d_h = d_model // num_heads
     self.num_heads, self.impl, self.chunk, self.dtype = num_heads, impl, chunk, dtype
+    self.interpret = interpret
     table = jax.nn.initializers.normal(0.02)
     self.w_in = nnx.Param(_xavier(0.707)(rngs.params(), (d_model, d_model), param_dtype))
     self.norm_gain = (nnx.Param(jnp.ones((num_heads, d_h), param_dtype)) if head_norm else None)
@@ -74,17 +102,9 @@ class FlashFFN(nnx.Module):
 
   def heads_and_router(self, x):
     """x [B, L, d] -> (q [B, L, H, d_h] in the compute dtype, r [B, L, H, E] float32)."""
-    dtype = self.dtype or x.dtype
-    q = (x.astype(dtype) @ self.w_in[...].astype(dtype))
-    q = q.reshape(*x.shape[:-1], self.num_heads, -1)
-    if self.norm_gain is not None:
-      q32 = q.astype(jnp.float32)
-      q32 = q32 * jax.lax.rsqrt(jnp.mean(q32 * q32, axis=-1, keepdims=True) + 1e-6)
-      q = (q32 * self.norm_gain[...].astype(jnp.float32)).astype(dtype)
-    z = jnp.einsum("blhd,hde->blhe", q.astype(jnp.float32), self.router[...].astype(jnp.float32))
-    sig = jax.nn.sigmoid(z)
-    r = sig / jnp.maximum(jnp.sum(sig, axis=-1, keepdims=True), 1e-20)
-    return q, r
+    gain = None if self.norm_gain is None else self.norm_gain[...]
+    return heads_and_router(x, self.w_in[...], gain, self.router[...],
+                            dtype=self.dtype or x.dtype)
 
   def __call__(self, x):
     if x.ndim != 3 or x.shape[-1] != self.w_in.shape[0]:
@@ -93,7 +113,7 @@ class FlashFFN(nnx.Module):
     dtype = q.dtype
     k, u, v = (t[...].astype(dtype) for t in (self.k, self.u, self.v))
     if self.impl == "pallas":
-      o = ffn_kernel.mhffn(q, r, k, u, v)
+      o = ffn_kernel.mhffn(q, r, k, u, v, interpret=self.interpret)
     elif self.impl == "xla":
       o = ffn_ops.mhffn(q, r, k, u, v, chunk=self.chunk)
     else:

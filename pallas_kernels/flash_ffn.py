@@ -132,8 +132,111 @@ def _tile_dkuv(q, r_e, ds, k, u, v):
 
 
 # ----------------------------------------------------------------------------
-# Mosaic (TPU) kernels: the reduction is the trailing grid axes.
-# Arrays are head-major: q, ds [H, T, d_h]; r [H, T, E]; k, u, v [H, E, d_e, d_h].
+# Layout. Token arrays (q, ds, o, dq) are either "flat" [T, H * d_h], a free reshape
+# of [B, L, H, d_h] whose blocks are (tokens, d_h) at column block h, or head-major
+# [H, T, d_h] where flat blocks are illegal (Mosaic with d_h % 128 != 0; Triton when
+# d_h must be padded to a power of two). Router weights are always head-major
+# [H, T, E] (E is small), tables stay [H, E, d_e, d_h]. Inside the kernels every
+# block is 2-D: leading block dims are squeezed (None).
+# ----------------------------------------------------------------------------
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _pow2(x: int, minimum: int = 16) -> int:
+  return max(minimum, 1 << max(0, x - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Fitted tile sizes, padded extents and token layout for one backend and problem."""
+
+  blocks: BlockSizes
+  heads: int
+  tokens: int
+  d_h: int
+  experts: int
+  d_e: int
+  flat: bool
+
+  @classmethod
+  def make(cls, backend: Backend, blocks: BlockSizes, q, k) -> "_Plan":
+    batch, length, heads, d_h = q.shape
+    experts, d_e = k.shape[1:3]
+    tokens = batch * length
+    if backend == "triton":  # power-of-two tiles, >= 16 for tl.dot
+      fit_tok = lambda b: min(b, _pow2(tokens))
+      bi = min(blocks.block_inter, _pow2(d_e))
+      padded_d_h, experts = _pow2(d_h), _pow2(experts, minimum=1)
+      flat = padded_d_h == d_h
+    else:  # Mosaic: second-minor block dims multiples of 8, minor ones of 128
+      fit_tok = lambda b: min(b, _round_up(tokens, 8))
+      bi = min(blocks.block_inter, d_e)
+      padded_d_h, flat = d_h, d_h % 128 == 0 or heads == 1
+    bq, bk = fit_tok(blocks.block_q), fit_tok(blocks.block_q_dkv)
+    tile = max(bq, bk)
+    if tile % bq or tile % bk:
+      raise ValueError(f"block_q ({bq}) and block_q_dkv ({bk}) must divide one another")
+    return cls(BlockSizes(bq, bi, bk), heads, _round_up(tokens, tile), padded_d_h, experts,
+               _round_up(d_e, bi), flat)
+
+  # Array layout in and out of the kernels.
+
+  def _tokens_first(self, x, width: int):
+    """[B, L, H, X] -> [T, H, width], zero-padded."""
+    b, l, h, x_width = x.shape
+    return jnp.pad(x.reshape(b * l, h, x_width),
+                   ((0, self.tokens - b * l), (0, 0), (0, width - x_width)))
+
+  def tokens_in(self, x):
+    """q-like [B, L, H, d_h] -> kernel layout."""
+    x = self._tokens_first(x, self.d_h)
+    return x.reshape(self.tokens, -1) if self.flat else jnp.moveaxis(x, 1, 0)
+
+  def tokens_out(self, x, like):
+    b, l, h, width = like.shape
+    x = x.reshape(self.tokens, h, self.d_h) if self.flat else jnp.moveaxis(x, 0, 1)
+    return x[:b * l, :, :width].reshape(like.shape)
+
+  def router_in(self, r):
+    return jnp.moveaxis(self._tokens_first(r, self.experts), 1, 0)
+
+  def router_out(self, dr, like):
+    b, l, h, e = like.shape
+    return jnp.moveaxis(dr[:, :b * l, :e], 0, 1).reshape(like.shape)
+
+  def table_in(self, t):
+    return jnp.pad(t, ((0, 0), (0, self.experts - t.shape[1]), (0, self.d_e - t.shape[2]),
+                       (0, self.d_h - t.shape[3])))
+
+  @staticmethod
+  def table_out(t, like):
+    _, e, f, d = like.shape
+    return t[:, :e, :f, :d]
+
+  def token_shape(self, dtype):
+    shape = (self.tokens, self.heads * self.d_h) if self.flat else (self.heads, self.tokens,
+                                                                     self.d_h)
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+  # Block specs; `where(*grid) -> (h, i)` or `(h, e, c)` picks the block.
+
+  def token_spec(self, rows: int, where):
+    if self.flat:
+      return pl.BlockSpec((rows, self.d_h), lambda *g: where(*g)[::-1])
+    return pl.BlockSpec((None, rows, self.d_h), lambda *g: (*where(*g), 0))
+
+  def router_spec(self, rows: int, where):
+    return pl.BlockSpec((None, rows, self.experts), lambda *g: (*where(*g), 0))
+
+  def table_spec(self, rows: int, where):
+    return pl.BlockSpec((None, None, rows, self.d_h), lambda *g: (*where(*g), 0))
+
+
+# ----------------------------------------------------------------------------
+# Mosaic (TPU) kernels: the reduction is the trailing grid axes, accumulated in
+# float32 VMEM scratch.
 # ----------------------------------------------------------------------------
 
 def _mosaic_fwd_kernel(q_ref, r_ref, k_ref, u_ref, v_ref, o_ref, acc_ref):
@@ -143,12 +246,12 @@ def _mosaic_fwd_kernel(q_ref, r_ref, k_ref, u_ref, v_ref, o_ref, acc_ref):
   def _():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  r_e = _column(r_ref[0], e)
-  acc_ref[...] += _tile_forward(q_ref[0], r_e, k_ref[0, 0], u_ref[0, 0], v_ref[0, 0])
+  acc_ref[...] += _tile_forward(q_ref[...], _column(r_ref[...], e), k_ref[...], u_ref[...],
+                                v_ref[...])
 
   @pl.when((e == pl.num_programs(2) - 1) & (c == pl.num_programs(3) - 1))
   def _():
-    o_ref[0] = acc_ref[...].astype(o_ref.dtype)
+    o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
 def _mosaic_dq_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dq_ref, dr_ref,
@@ -160,16 +263,16 @@ def _mosaic_dq_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dq_ref, dr_ref,
     dq_acc[...] = jnp.zeros_like(dq_acc)
     dr_acc[...] = jnp.zeros_like(dr_acc)
 
-  r = r_ref[0]
-  dq, dr_e = _tile_dq_dr(q_ref[0], _column(r, e), ds_ref[0], k_ref[0, 0], u_ref[0, 0],
-                         v_ref[0, 0])
+  r = r_ref[...]
+  dq, dr_e = _tile_dq_dr(q_ref[...], _column(r, e), ds_ref[...], k_ref[...], u_ref[...],
+                         v_ref[...])
   dq_acc[...] += dq
   dr_acc[...] += dr_e * _onehot_row(e, r.shape)
 
   @pl.when((e == pl.num_programs(2) - 1) & (c == pl.num_programs(3) - 1))
   def _():
-    dq_ref[0] = dq_acc[...].astype(dq_ref.dtype)
-    dr_ref[0] = dr_acc[...].astype(dr_ref.dtype)
+    dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+    dr_ref[...] = dr_acc[...].astype(dr_ref.dtype)
 
 
 def _mosaic_dkuv_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dk_ref, du_ref, dv_ref,
@@ -178,77 +281,69 @@ def _mosaic_dkuv_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dk_ref, du_re
 
   @pl.when(i == 0)
   def _():
-    dk_acc[...] = jnp.zeros_like(dk_acc)
-    du_acc[...] = jnp.zeros_like(du_acc)
-    dv_acc[...] = jnp.zeros_like(dv_acc)
+    for acc in (dk_acc, du_acc, dv_acc):
+      acc[...] = jnp.zeros_like(acc)
 
-  dk, du, dv = _tile_dkuv(q_ref[0], _column(r_ref[0], e), ds_ref[0], k_ref[0, 0],
-                          u_ref[0, 0], v_ref[0, 0])
-  dk_acc[...] += dk
-  du_acc[...] += du
-  dv_acc[...] += dv
+  grads = _tile_dkuv(q_ref[...], _column(r_ref[...], e), ds_ref[...], k_ref[...], u_ref[...],
+                     v_ref[...])
+  for acc, g in zip((dk_acc, du_acc, dv_acc), grads):
+    acc[...] += g
 
   @pl.when(i == pl.num_programs(3) - 1)
   def _():
-    dk_ref[0, 0] = dk_acc[...].astype(dk_ref.dtype)
-    du_ref[0, 0] = du_acc[...].astype(du_ref.dtype)
-    dv_ref[0, 0] = dv_acc[...].astype(dv_ref.dtype)
+    for ref, acc in ((dk_ref, dk_acc), (du_ref, du_acc), (dv_ref, dv_acc)):
+      ref[...] = acc[...].astype(ref.dtype)
 
 
 def _mosaic_params(*semantics):
   return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
-def _mosaic_forward(q, r, k, u, v, bs: BlockSizes, interpret):
-  heads, tokens, d_h = q.shape
-  experts, d_e = k.shape[1:3]
-  bq, bi = bs.block_q, bs.block_inter
-  tok = lambda h, i, e, c: (h, i, 0)
-  tab = lambda h, i, e, c: (h, e, c, 0)
+def _mosaic_forward(plan: _Plan, q, r, k, u, v, interpret):
+  bq, bi = plan.blocks.block_q, plan.blocks.block_inter
+  tok = lambda h, i, e, c: (h, i)
+  tab = lambda h, i, e, c: (h, e, c)
   return pl.pallas_call(
       _mosaic_fwd_kernel,
-      grid=(heads, tokens // bq, experts, d_e // bi),
-      in_specs=[pl.BlockSpec((1, bq, d_h), tok), pl.BlockSpec((1, bq, experts), tok)]
-      + [pl.BlockSpec((1, 1, bi, d_h), tab)] * 3,
-      out_specs=pl.BlockSpec((1, bq, d_h), tok),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      scratch_shapes=[pltpu.VMEM((bq, d_h), _F32)],
+      grid=(plan.heads, plan.tokens // bq, plan.experts, plan.d_e // bi),
+      in_specs=[plan.token_spec(bq, tok), plan.router_spec(bq, tok)]
+      + [plan.table_spec(bi, tab)] * 3,
+      out_specs=plan.token_spec(bq, tok),
+      out_shape=plan.token_shape(q.dtype),
+      scratch_shapes=[pltpu.VMEM((bq, plan.d_h), _F32)],
       compiler_params=_mosaic_params("parallel", "parallel", "arbitrary", "arbitrary"),
       interpret=interpret,
       name="flash_ffn_fwd",
   )(q, r, k, u, v)
 
 
-def _mosaic_backward(q, r, k, u, v, ds, bs: BlockSizes, interpret):
-  heads, tokens, d_h = q.shape
-  experts, d_e = k.shape[1:3]
-  bq, bi, bk = bs.block_q, bs.block_inter, bs.block_q_dkv
-  tok = lambda h, i, e, c: (h, i, 0)
-  tab = lambda h, i, e, c: (h, e, c, 0)
+def _mosaic_backward(plan: _Plan, q, r, k, u, v, ds, interpret):
+  bq, bi, bk = plan.blocks.block_q, plan.blocks.block_inter, plan.blocks.block_q_dkv
+  tok = lambda h, i, e, c: (h, i)
+  tab = lambda h, i, e, c: (h, e, c)
   dq, dr = pl.pallas_call(
       _mosaic_dq_kernel,
-      grid=(heads, tokens // bq, experts, d_e // bi),
-      in_specs=[pl.BlockSpec((1, bq, d_h), tok), pl.BlockSpec((1, bq, experts), tok),
-                pl.BlockSpec((1, bq, d_h), tok)] + [pl.BlockSpec((1, 1, bi, d_h), tab)] * 3,
-      out_specs=[pl.BlockSpec((1, bq, d_h), tok), pl.BlockSpec((1, bq, experts), tok)],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(r.shape, r.dtype)],
-      scratch_shapes=[pltpu.VMEM((bq, d_h), _F32), pltpu.VMEM((bq, experts), _F32)],
+      grid=(plan.heads, plan.tokens // bq, plan.experts, plan.d_e // bi),
+      in_specs=[plan.token_spec(bq, tok), plan.router_spec(bq, tok), plan.token_spec(bq, tok)]
+      + [plan.table_spec(bi, tab)] * 3,
+      out_specs=[plan.token_spec(bq, tok), plan.router_spec(bq, tok)],
+      out_shape=[plan.token_shape(q.dtype), jax.ShapeDtypeStruct(r.shape, r.dtype)],
+      scratch_shapes=[pltpu.VMEM((bq, plan.d_h), _F32), pltpu.VMEM((bq, plan.experts), _F32)],
       compiler_params=_mosaic_params("parallel", "parallel", "arbitrary", "arbitrary"),
       interpret=interpret,
       name="flash_ffn_bwd_dq",
   )(q, r, ds, k, u, v)
   # Grid (h, e, c, i): the token axis i is the reduction.
-  tok = lambda h, e, c, i: (h, i, 0)
-  tab = lambda h, e, c, i: (h, e, c, 0)
-  table = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  tok = lambda h, e, c, i: (h, i)
+  tab = lambda h, e, c, i: (h, e, c)
   dk, du, dv = pl.pallas_call(
       _mosaic_dkuv_kernel,
-      grid=(heads, experts, d_e // bi, tokens // bk),
-      in_specs=[pl.BlockSpec((1, bk, d_h), tok), pl.BlockSpec((1, bk, experts), tok),
-                pl.BlockSpec((1, bk, d_h), tok)] + [pl.BlockSpec((1, 1, bi, d_h), tab)] * 3,
-      out_specs=[pl.BlockSpec((1, 1, bi, d_h), tab)] * 3,
-      out_shape=[table] * 3,
-      scratch_shapes=[pltpu.VMEM((bi, d_h), _F32)] * 3,
+      grid=(plan.heads, plan.experts, plan.d_e // bi, plan.tokens // bk),
+      in_specs=[plan.token_spec(bk, tok), plan.router_spec(bk, tok), plan.token_spec(bk, tok)]
+      + [plan.table_spec(bi, tab)] * 3,
+      out_specs=[plan.table_spec(bi, tab)] * 3,
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 3,
+      scratch_shapes=[pltpu.VMEM((bi, plan.d_h), _F32)] * 3,
       compiler_params=_mosaic_params("parallel", "parallel", "parallel", "arbitrary"),
       interpret=interpret,
       name="flash_ffn_bwd_dkuv",
@@ -257,7 +352,8 @@ def _mosaic_backward(q, r, k, u, v, ds, bs: BlockSizes, interpret):
 
 
 # ----------------------------------------------------------------------------
-# Triton (GPU) kernels: one program per (head, tile); reductions loop inside.
+# Triton (GPU) kernels: one program per (head, tile); grid steps cannot carry
+# state, so reductions are fori_loops inside the kernel over tiles sliced from refs.
 # ----------------------------------------------------------------------------
 
 def _loop_tables(n_experts, n_inter, bi, body, init):
@@ -270,102 +366,93 @@ def _loop_tables(n_experts, n_inter, bi, body, init):
 
 
 def _triton_fwd_kernel(q_ref, r_ref, k_ref, u_ref, v_ref, o_ref, *, bi, n_inter):
-  q, r = q_ref[0], r_ref[0]
+  q, r = q_ref[...], r_ref[...]
 
   def body(e, rows, acc):
-    return acc + _tile_forward(q, _column(r, e), k_ref[0, e, rows, :], u_ref[0, e, rows, :],
-                               v_ref[0, e, rows, :])
+    return acc + _tile_forward(q, _column(r, e), k_ref[e, rows, :], u_ref[e, rows, :],
+                               v_ref[e, rows, :])
 
-  acc = _loop_tables(r.shape[1], n_inter, bi, body, jnp.zeros(o_ref.shape[1:], _F32))
-  o_ref[0] = acc.astype(o_ref.dtype)
+  acc = _loop_tables(r.shape[1], n_inter, bi, body, jnp.zeros(q.shape, _F32))
+  o_ref[...] = acc.astype(o_ref.dtype)
 
 
 def _triton_dq_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dq_ref, dr_ref, *, bi,
                       n_inter):
-  q, r, ds = q_ref[0], r_ref[0], ds_ref[0]
+  q, r, ds = q_ref[...], r_ref[...], ds_ref[...]
 
   def body(e, rows, carry):
     dq_acc, dr_acc = carry
-    dq, dr_e = _tile_dq_dr(q, _column(r, e), ds, k_ref[0, e, rows, :], u_ref[0, e, rows, :],
-                           v_ref[0, e, rows, :])
+    dq, dr_e = _tile_dq_dr(q, _column(r, e), ds, k_ref[e, rows, :], u_ref[e, rows, :],
+                           v_ref[e, rows, :])
     return dq_acc + dq, dr_acc + dr_e * _onehot_row(e, r.shape)
 
   init = (jnp.zeros(q.shape, _F32), jnp.zeros(r.shape, _F32))
   dq, dr = _loop_tables(r.shape[1], n_inter, bi, body, init)
-  dq_ref[0] = dq.astype(dq_ref.dtype)
-  dr_ref[0] = dr.astype(dr_ref.dtype)
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dr_ref[...] = dr.astype(dr_ref.dtype)
 
 
 def _triton_dkuv_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dk_ref, du_ref, dv_ref, *,
                         bk, n_tok):
   e = pl.program_id(1)
-  k, u, v = k_ref[0, 0], u_ref[0, 0], v_ref[0, 0]
+  k, u, v = k_ref[...], u_ref[...], v_ref[...]
 
   def step(i, carry):
     rows = pl.ds(pl.multiple_of(i * bk, bk), bk)
-    r_e = _column(r_ref[0, rows, :], e)
-    grads = _tile_dkuv(q_ref[0, rows, :], r_e, ds_ref[0, rows, :], k, u, v)
+    grads = _tile_dkuv(q_ref[rows, :], _column(r_ref[rows, :], e), ds_ref[rows, :], k, u, v)
     return tuple(acc + g for acc, g in zip(carry, grads))
 
-  init = (jnp.zeros(k.shape, _F32),) * 3
-  dk, du, dv = jax.lax.fori_loop(0, n_tok, step, init)
-  dk_ref[0, 0] = dk.astype(dk_ref.dtype)
-  du_ref[0, 0] = du.astype(du_ref.dtype)
-  dv_ref[0, 0] = dv.astype(dv_ref.dtype)
+  dk, du, dv = jax.lax.fori_loop(0, n_tok, step, (jnp.zeros(k.shape, _F32),) * 3)
+  for ref, g in ((dk_ref, dk), (du_ref, du), (dv_ref, dv)):
+    ref[...] = g.astype(ref.dtype)
 
 
 _TRITON_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
 
 
-def _triton_forward(q, r, k, u, v, bs: BlockSizes, interpret):
-  heads, tokens, d_h = q.shape
-  experts, d_e = k.shape[1:3]
-  bq, bi = bs.block_q, bs.block_inter
-  tok = lambda h, i: (h, i, 0)
-  whole = pl.BlockSpec((1, experts, d_e, d_h), lambda h, i: (h, 0, 0, 0))
+def _whole_tables(plan: _Plan):
+  return pl.BlockSpec((None, plan.experts, plan.d_e, plan.d_h), lambda h, i: (h, 0, 0, 0))
+
+
+def _triton_forward(plan: _Plan, q, r, k, u, v, interpret):
+  bq, bi = plan.blocks.block_q, plan.blocks.block_inter
+  tok = lambda h, i: (h, i)
   return pl.pallas_call(
-      functools.partial(_triton_fwd_kernel, bi=bi, n_inter=d_e // bi),
-      grid=(heads, tokens // bq),
-      in_specs=[pl.BlockSpec((1, bq, d_h), tok), pl.BlockSpec((1, bq, experts), tok)]
-      + [whole] * 3,
-      out_specs=pl.BlockSpec((1, bq, d_h), tok),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      functools.partial(_triton_fwd_kernel, bi=bi, n_inter=plan.d_e // bi),
+      grid=(plan.heads, plan.tokens // bq),
+      in_specs=[plan.token_spec(bq, tok), plan.router_spec(bq, tok)] + [_whole_tables(plan)] * 3,
+      out_specs=plan.token_spec(bq, tok),
+      out_shape=plan.token_shape(q.dtype),
       compiler_params=_TRITON_PARAMS,
       interpret=interpret,
       name="flash_ffn_fwd",
   )(q, r, k, u, v)
 
 
-def _triton_backward(q, r, k, u, v, ds, bs: BlockSizes, interpret):
-  heads, tokens, d_h = q.shape
-  experts, d_e = k.shape[1:3]
-  bq, bi, bk = bs.block_q, bs.block_inter, bs.block_q_dkv
-  tok = lambda h, i: (h, i, 0)
-  whole = pl.BlockSpec((1, experts, d_e, d_h), lambda h, i: (h, 0, 0, 0))
+def _triton_backward(plan: _Plan, q, r, k, u, v, ds, interpret):
+  bq, bi, bk = plan.blocks.block_q, plan.blocks.block_inter, plan.blocks.block_q_dkv
+  tok = lambda h, i: (h, i)
   dq, dr = pl.pallas_call(
-      functools.partial(_triton_dq_kernel, bi=bi, n_inter=d_e // bi),
-      grid=(heads, tokens // bq),
-      in_specs=[pl.BlockSpec((1, bq, d_h), tok), pl.BlockSpec((1, bq, experts), tok),
-                pl.BlockSpec((1, bq, d_h), tok)] + [whole] * 3,
-      out_specs=[pl.BlockSpec((1, bq, d_h), tok), pl.BlockSpec((1, bq, experts), tok)],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(r.shape, r.dtype)],
+      functools.partial(_triton_dq_kernel, bi=bi, n_inter=plan.d_e // bi),
+      grid=(plan.heads, plan.tokens // bq),
+      in_specs=[plan.token_spec(bq, tok), plan.router_spec(bq, tok), plan.token_spec(bq, tok)]
+      + [_whole_tables(plan)] * 3,
+      out_specs=[plan.token_spec(bq, tok), plan.router_spec(bq, tok)],
+      out_shape=[plan.token_shape(q.dtype), jax.ShapeDtypeStruct(r.shape, r.dtype)],
       compiler_params=_TRITON_PARAMS,
       interpret=interpret,
       name="flash_ffn_bwd_dq",
   )(q, r, ds, k, u, v)
   # Grid (h, e, c): each program owns one table tile and loops over all tokens.
-  tab = lambda h, e, c: (h, e, c, 0)
-  all_tok = lambda h, e, c: (h, 0, 0)
-  table = jax.ShapeDtypeStruct(k.shape, k.dtype)
+  all_tok = lambda h, e, c: (h, 0)
+  tab = lambda h, e, c: (h, e, c)
   dk, du, dv = pl.pallas_call(
-      functools.partial(_triton_dkuv_kernel, bk=bk, n_tok=tokens // bk),
-      grid=(heads, experts, d_e // bi),
-      in_specs=[pl.BlockSpec((1, tokens, d_h), all_tok),
-                pl.BlockSpec((1, tokens, experts), all_tok),
-                pl.BlockSpec((1, tokens, d_h), all_tok)]
-      + [pl.BlockSpec((1, 1, bi, d_h), tab)] * 3,
-      out_specs=[pl.BlockSpec((1, 1, bi, d_h), tab)] * 3,
-      out_shape=[table] * 3,
+      functools.partial(_triton_dkuv_kernel, bk=bk, n_tok=plan.tokens // bk),
+      grid=(plan.heads, plan.experts, plan.d_e // bi),
+      in_specs=[plan.token_spec(plan.tokens, all_tok), plan.router_spec(plan.tokens, all_tok),
+                plan.token_spec(plan.tokens, all_tok)] + [plan.table_spec(bi, tab)] * 3,
+      out_specs=[plan.table_spec(bi, tab)] * 3,
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype)] * 3,
       compiler_params=_TRITON_PARAMS,
       interpret=interpret,
       name="flash_ffn_bwd_dkuv",
@@ -373,92 +460,25 @@ def _triton_backward(q, r, k, u, v, ds, bs: BlockSizes, interpret):
   return dq, dr, dk, du, dv
 
 
-# ----------------------------------------------------------------------------
-# Layout: [B, L, H, X] <-> head-major [H, T, X] padded to the tile sizes.
-# ----------------------------------------------------------------------------
-
 _KERNELS = {
     "mosaic": (_mosaic_forward, _mosaic_backward),
     "triton": (_triton_forward, _triton_backward),
 }
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def _pow2(x: int, minimum: int = 16) -> int:
-  return max(minimum, 1 << max(0, x - 1).bit_length())
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-  """Fitted tile sizes and padded extents for one backend and one problem size."""
-
-  blocks: BlockSizes
-  tokens: int
-  d_h: int
-  experts: int
-  d_e: int
-
-  @classmethod
-  def make(cls, backend: Backend, blocks: BlockSizes, tokens, d_h, experts, d_e) -> "_Plan":
-    if backend == "triton":  # power-of-two tiles, >= 16 for tl.dot
-      fit_tok = lambda b: min(b, _pow2(tokens))
-      bi = min(blocks.block_inter, _pow2(d_e))
-      d_h, experts = _pow2(d_h), _pow2(experts, minimum=1)
-    else:  # Mosaic: second-minor block dims multiples of 8
-      fit_tok = lambda b: min(b, _round_up(tokens, 8))
-      bi = min(blocks.block_inter, d_e)
-    bq, bk = fit_tok(blocks.block_q), fit_tok(blocks.block_q_dkv)
-    tile = max(bq, bk)
-    if tile % bq or tile % bk:
-      raise ValueError(f"block_q ({bq}) and block_q_dkv ({bk}) must divide one another")
-    return cls(BlockSizes(bq, bi, bk), _round_up(tokens, tile), d_h, experts,
-               _round_up(d_e, bi))
-
-  def to_heads(self, x, width: int):
-    """[B, L, H, X] -> [H, T, width], zero-padded (X is d_h or E)."""
-    b, l, h, x_width = x.shape
-    x = jnp.moveaxis(x, 2, 0).reshape(h, b * l, x_width)
-    return jnp.pad(x, ((0, 0), (0, self.tokens - b * l), (0, width - x_width)))
-
-  def from_heads(self, x, like):
-    """Inverse of `to_heads` for an array shaped like `like` [B, L, H, X]."""
-    b, l, h, width = like.shape
-    x = x[:, :b * l, :width].reshape(h, b, l, width)
-    return jnp.moveaxis(x, 0, 2)
-
-  def table_in(self, t):
-    return jnp.pad(t, ((0, 0), (0, self.experts - t.shape[1]), (0, self.d_e - t.shape[2]),
-                       (0, self.d_h - t.shape[3])))
-
-  @staticmethod
-  def table_out(t, like):
-    _, e, f, d = like.shape
-    return t[:, :e, :f, :d]
-
-
-def _plan_for(backend: Backend, blocks: BlockSizes, q, k) -> _Plan:
-  b, l, _, d_h = q.shape
-  return _Plan.make(backend, blocks, b * l, d_h, k.shape[1], k.shape[2])
-
-
 def _forward(backend: Backend, interpret, blocks: BlockSizes, q, r, k, u, v):
-  plan = _plan_for(backend, blocks, q, k)
-  o = _KERNELS[backend][0](
-      plan.to_heads(q, plan.d_h), plan.to_heads(r, plan.experts),
-      *(plan.table_in(t) for t in (k, u, v)), plan.blocks, interpret)
-  return plan.from_heads(o, q)
+  plan = _Plan.make(backend, blocks, q, k)
+  o = _KERNELS[backend][0](plan, plan.tokens_in(q), plan.router_in(r),
+                           *(plan.table_in(t) for t in (k, u, v)), interpret)
+  return plan.tokens_out(o, q)
 
 
 def _backward(backend: Backend, interpret, blocks: BlockSizes, q, r, k, u, v, ds):
-  plan = _plan_for(backend, blocks, q, k)
+  plan = _Plan.make(backend, blocks, q, k)
   dq, dr, dk, du, dv = _KERNELS[backend][1](
-      plan.to_heads(q, plan.d_h), plan.to_heads(r, plan.experts),
-      *(plan.table_in(t) for t in (k, u, v)), plan.to_heads(ds.astype(q.dtype), plan.d_h),
-      plan.blocks, interpret)
-  return (plan.from_heads(dq, q), plan.from_heads(dr, r),
+      plan, plan.tokens_in(q), plan.router_in(r), *(plan.table_in(t) for t in (k, u, v)),
+      plan.tokens_in(ds.astype(q.dtype)), interpret)
+  return (plan.tokens_out(dq, q), plan.router_out(dr, r),
           *(plan.table_out(t, k) for t in (dk, du, dv)))
 
 

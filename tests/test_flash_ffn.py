@@ -18,7 +18,7 @@ from tests import kernel_checks
 # Odd L, several experts, d_e spanning two tiles with a partial one (24 = 16 + 8 padded).
 B, L, H, D_H, E, D_E = 2, 77, 2, 16, 3, 24
 SMALL_BLOCKS = dict(block_q=32, block_inter=16, block_q_dkv=64)
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}  # relative to max|reference|
+TOL = {jnp.float32: 5e-5, jnp.bfloat16: 3e-2}  # relative to max|reference|
 
 PATHS = {
     "xla": functools.partial(ops.mhffn, chunk=16),
@@ -48,18 +48,28 @@ def _compiled(path: str):
   return jax.jit(lambda *a: (op(*a), value_and_grad(*a)[1]))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("path", list(PATHS))
-def test_matches_reference_forward_and_gradients(path, dtype):
-  args = make_inputs(dtype)
+def check_against_reference(path, dtype, shape=(B, L, H, D_H, E, D_E)):
+  """The shared test body: forward and all five gradients of `path` vs the reference."""
+  args = make_inputs(dtype, shape)
   # The reference sees the same (possibly bf16-rounded) inputs, computed in float32.
   out_ref, grads_ref = _compiled("reference")(*(a.astype(jnp.float32) for a in args))
   out, grads = _compiled(path)(*args)
-  assert out.dtype == dtype and out.shape == (B, L, H, D_H)
+  assert out.dtype == dtype and out.shape == args[0].shape
   kernel_checks.assert_close(out, out_ref, rtol=TOL[dtype], name="o")
   for name, g, g_ref, a in zip("qrkuv", grads, grads_ref, args):
     assert g.shape == a.shape and g.dtype == a.dtype, name
     kernel_checks.assert_close(g, g_ref, rtol=TOL[dtype], name=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_matches_reference_forward_and_gradients(path, dtype):
+  check_against_reference(path, dtype)
+
+
+def test_mosaic_flat_token_layout():
+  """d_h = 128 lets Mosaic read q blocks straight from [T, H * d_h] (no head transpose)."""
+  check_against_reference("mosaic", jnp.float32, shape=(1, 21, 2, 128, 2, 16))
 
 
 def test_reference_equals_literal_loop():
