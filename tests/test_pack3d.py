@@ -1,0 +1,277 @@
+"""Pack3D attention: every path (XLA, traced coords, Mosaic and Triton bodies) against the
+reference, the spec identities, repacking invariance, lowering and bad input."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxops import pack3d as ops
+from jaxops import packing, rope
+from pallas_kernels import pack3d_attention as kernel
+from tests import kernel_checks
+
+# Batch 2 with the same N = 135: entry 0 packs two fields, entry 1 one; no field is a
+# multiple of the (2, 2, 2) cube, so edge cubes are partial. 30 cubes per entry, K = 27.
+FIELDS = ([(7, 5, 3), (3, 2, 5)], [(5, 3, 9)])
+BLOCK = (2, 2, 2)
+H, D = 2, 12
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}  # relative to max|reference|
+KERNEL = dict(block_shape=BLOCK, interpret=True, block_summaries=16)  # 2 summary blocks
+
+
+def packed(fields=FIELDS, layout="shuffled_fields", seed=0):
+  """coords [B, N, 3], field_ids [B, N] (numpy) for batch entries packing `fields`."""
+  cs, fs = [], []
+  for entry in fields:
+    _, c, f = packing.pack_fields([np.zeros(s + (1,)) for s in entry])
+    perm, _ = packing.layout_permutation(c, f, layout, block_shape=BLOCK, seed=seed)
+    cs.append(c[perm])
+    fs.append(f[perm])
+  return np.stack(cs), np.stack(fs)
+
+
+COORDS, FIELD_IDS = packed()
+
+
+def make_qkv(dtype, n=COORDS.shape[1], batch=2, d=D, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return tuple(jax.random.normal(kk, (batch, n, H, d), jnp.float32).astype(dtype) for kk in ks)
+
+
+def _loss(op, *args):
+  return jnp.sum(jnp.sin(op(*args).astype(jnp.float32)))  # a non-uniform cotangent
+
+
+# Every path is op(q, k, v, coords, field_ids); "traced" ones get coords as jit arguments
+# (the max_cubes path), the others close over them (exact structure at trace time).
+PATHS = {
+    "xla": functools.partial(ops.pack3d_attention, block_shape=BLOCK, chunk=7),
+    "xla_traced": functools.partial(ops.pack3d_attention, block_shape=BLOCK, max_cubes=40),
+    "mosaic": functools.partial(kernel.pack3d_attention, backend="mosaic", **KERNEL),
+    "triton": functools.partial(kernel.pack3d_attention, backend="triton", **KERNEL),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(path: str):
+  """jit of q, k, v -> (o, (dq, dk, dv)) on the packed COORDS, FIELD_IDS."""
+  op = (functools.partial(ops.pack3d_attention_reference, block_shape=BLOCK)
+        if path == "reference" else PATHS[path])
+  both = lambda q, k, v, c, f: (op(q, k, v, c, f), jax.grad(
+      functools.partial(_loss, op), argnums=(0, 1, 2))(q, k, v, c, f))
+  if path.endswith("traced"):
+    fn = jax.jit(both)
+    return lambda q, k, v: fn(q, k, v, COORDS, FIELD_IDS)
+  return jax.jit(lambda q, k, v: both(q, k, v, COORDS, FIELD_IDS))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_matches_reference_forward_and_gradients(path, dtype):
+  args = make_qkv(dtype)
+  # The reference sees the same (possibly bf16-rounded) inputs, computed in float32.
+  out_ref, grads_ref = _compiled("reference")(*(a.astype(jnp.float32) for a in args))
+  out, grads = _compiled(path)(*args)
+  assert out.dtype == dtype and out.shape == args[0].shape
+  kernel_checks.assert_close(out, out_ref, rtol=TOL[dtype], name="o")
+  for name, g, g_ref, a in zip("qkv", grads, grads_ref, args):
+    assert g.shape == a.shape and g.dtype == a.dtype, name
+    kernel_checks.assert_close(g, g_ref, rtol=TOL[dtype], name=f"d{name}")
+
+
+# Options beside the defaults; the gated merge exists on the XLA path only.
+OPTIONS = {
+    "no_block_bias": dict(block_bias=False),
+    "radius0": dict(radius_blocks=0),
+    "radius2_block123": dict(radius_blocks=2, block_shape=(1, 2, 3)),
+    "rotate_after": dict(summary_rope=dict(theta=50.0, spacing=(1.0, 2.0, 0.5))),
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS) + ["gated"])
+def test_xla_options_match_reference(option):
+  q, k, v = make_qkv(jnp.float32, seed=1)
+  kwargs = {"block_shape": BLOCK, **OPTIONS.get(option, {})}
+  if option == "gated":
+    kwargs["gates"] = jax.nn.sigmoid(jax.random.normal(jax.random.key(2), q.shape[:3] + (2,)))
+  ref = ops.pack3d_attention_reference(q, k, v, COORDS, FIELD_IDS, **kwargs)
+  kernel_checks.assert_close(ops.pack3d_attention(q, k, v, COORDS, FIELD_IDS, chunk=5, **kwargs),
+                             ref, rtol=1e-5)
+
+
+def test_kernel_options_match_reference():
+  """No bias, radius 2, a non-cubic block and rotate-after-compression, forward and grads."""
+  kwargs = dict(block_bias=False, radius_blocks=2, block_shape=(1, 2, 3),
+                summary_rope=OPTIONS["rotate_after"]["summary_rope"])
+  ref = functools.partial(ops.pack3d_attention_reference, **kwargs)
+  pal = functools.partial(kernel.pack3d_attention, interpret=True, **kwargs)
+  args = (*make_qkv(jnp.float32, seed=3), COORDS, FIELD_IDS)
+  value_and_grad = lambda op: jax.value_and_grad(functools.partial(_loss, op),
+                                                 argnums=(0, 1, 2))(*args)
+  (_, grads), (_, grads_ref) = jax.jit(lambda: value_and_grad(pal))(), value_and_grad(ref)
+  kernel_checks.assert_close(jax.jit(lambda: pal(*args))(), ref(*args), rtol=1e-5, name="o")
+  for name, g, g_ref in zip("qkv", grads, grads_ref):
+    kernel_checks.assert_close(g, g_ref, rtol=1e-5, name=f"d{name}")
+
+
+# ----------------------------------------------------------------------------- spec identities
+
+def test_cube_of_identical_keys_counts_like_its_tokens():
+  """With keys and values constant inside every cube, the log(n_b) bias makes Pack3D equal
+  full attention within each field (far cubes stand exactly for their tokens)."""
+  q, k, v = make_qkv(jnp.float32, seed=4)
+  layout = ops.cube_layout(COORDS, FIELD_IDS, block_shape=BLOCK)
+  first = lambda x: layout.from_cubes(jnp.broadcast_to(layout.to_cubes(x)[:, :, :1],
+                                                       layout.to_cubes(x).shape))
+  # Slot 0 of a cube is its corner (local (0, 0, 0)), always a token of the field.
+  k, v = first(k), first(v)
+  same_field = jnp.asarray(FIELD_IDS[:, :, None] == FIELD_IDS[:, None, :])
+  full = jax.nn.dot_product_attention(q, k, v, mask=same_field[:, None])
+  for op in (ops.pack3d_attention_reference, ops.pack3d_attention):
+    kernel_checks.assert_close(op(q, k, v, COORDS, FIELD_IDS, block_shape=BLOCK), full,
+                               rtol=1e-5)
+  without_bias = ops.pack3d_attention(q, k, v, COORDS, FIELD_IDS, block_shape=BLOCK,
+                                      block_bias=False)
+  assert float(jnp.max(jnp.abs(without_bias - full))) > 1e-3
+
+
+def test_summary_logit_is_mean_of_relative_position_logits():
+  """q_i . kbar_b = mean_{j in b} (R(p_i) q0) . (R(p_j) k0_j): rotate before compression."""
+  q0, k0, _ = make_qkv(jnp.float32, seed=5, d=18)
+  coords = jnp.asarray(COORDS)
+  q, k = rope.axial_rope_3d(q0, coords), rope.axial_rope_3d(k0, coords)
+  layout = ops.cube_layout(COORDS, FIELD_IDS, block_shape=BLOCK)
+  k_c = layout.to_cubes(k)
+  kbar, _ = ops.cube_summaries(layout, k_c, k_c)
+  logits = jnp.einsum("bnhd,bcthd->bnhct", q, k_c)                 # every token of every cube
+  valid = layout.key_valid()[:, None, None]
+  mean = jnp.sum(jnp.where(valid, logits, 0.0), -1) / layout.count[:, None, None]
+  kernel_checks.assert_close(jnp.einsum("bnhd,bchd->bnhc", q, kbar), mean, rtol=1e-5)
+
+
+def test_no_token_in_both_branches():
+  """Neighbour cubes and far cubes are disjoint and together are the query's field."""
+  layout = ops.cube_layout(COORDS, FIELD_IDS, block_shape=BLOCK)
+  for b in range(2):
+    cube_field = np.zeros(layout.num_cubes, int)
+    cube_field[np.asarray(layout.slot[b]) // layout.slots_per_cube] = FIELD_IDS[b]
+    for a in range(layout.num_cubes):
+      near = set(np.asarray(layout.neighbours[b, a, :layout.num_neighbours[b, a]]).tolist())
+      far = set(np.flatnonzero(layout.far[b, a]).tolist())
+      assert not near & far
+      assert near | far == set(np.flatnonzero(cube_field == cube_field[a]).tolist())
+      assert a in near
+
+
+# ----------------------------------------------------------------------------- repacking
+
+@functools.lru_cache(maxsize=None)
+def _traced_op(name: str):
+  fn = {"xla": ops.pack3d_attention, "pallas": kernel.pack3d_attention}[name]
+  extra = {"pallas": dict(interpret=True, block_summaries=16)}.get(name, {})
+  return jax.jit(lambda q, k, v, c, f: fn(q, k, v, c, f, block_shape=BLOCK, max_cubes=40,
+                                          **extra))
+
+
+def test_outputs_permute_with_the_tokens_under_every_layout():
+  q0, k0, v = make_qkv(jnp.float32, seed=6, d=18)
+  rotate = lambda x, c: rope.axial_rope_3d(x, jnp.asarray(c))
+  base = ops.pack3d_attention_reference(rotate(q0, COORDS), rotate(k0, COORDS), v, COORDS,
+                                        FIELD_IDS, block_shape=BLOCK)
+  for layout in packing.LAYOUTS:
+    perms = [packing.layout_permutation(COORDS[b], FIELD_IDS[b], layout, block_shape=BLOCK,
+                                        seed=7)[0] for b in range(2)]
+    take = lambda x: jnp.stack([jnp.asarray(x)[b][perms[b]] for b in range(2)])
+    c, f = np.asarray(take(COORDS)), np.asarray(take(FIELD_IDS))
+    args = (rotate(take(q0), c), rotate(take(k0), c), take(v))
+    expected = take(base)
+    kernel_checks.assert_close(ops.pack3d_attention_reference(*args, c, f, block_shape=BLOCK),
+                               expected, rtol=1e-5, name=f"reference {layout}")
+    for name in ("xla", "pallas"):
+      kernel_checks.assert_close(_traced_op(name)(*args, c, f), expected, rtol=1e-5,
+                                 name=f"{name} {layout}")
+
+
+# ----------------------------------------------------------------------------- kernel checks
+
+def test_default_dispatch_interprets_on_cpu():
+  coords, field_ids = packed(([(3, 4, 3)],), layout="raster_zyx")
+  q, k, v = make_qkv(jnp.float32, n=36, batch=1)
+  kernel_checks.assert_close(
+      kernel.pack3d_attention(q, k, v, coords, field_ids, block_shape=BLOCK, radius_blocks=0),
+      ops.pack3d_attention_reference(q, k, v, coords, field_ids, block_shape=BLOCK,
+                                     radius_blocks=0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_lowers_for_hardware(platform):
+  """Forward and gradient lower to Pallas kernels (1 forward; dq, dk/dv, summaries backward)
+  at the benchmark's head shape: a 16^3 field of 4^3 cubes, 2 heads of 48, bfloat16."""
+  _, c, f = packing.pack_fields([np.zeros((16, 16, 16, 1))])
+  op = lambda q, k, v: kernel.pack3d_attention(q, k, v, c[None], f[None])
+  spec = jax.ShapeDtypeStruct((1, 4096, 2, 48), jnp.bfloat16)
+  kernel_checks.assert_lowers_to_kernels(op, platform, spec, spec, spec, count=1)
+  grad = jax.grad(functools.partial(_loss, op), argnums=(0, 1, 2))
+  kernel_checks.assert_lowers_to_kernels(grad, platform, spec, spec, spec, count=4)
+
+
+def test_no_races_and_no_uninitialized_reads():
+  coords, field_ids = packed(([(4, 3, 6)],))
+  q, k, v = make_qkv(jnp.float32, n=72, batch=1)
+  op = lambda q, k, v: kernel.pack3d_attention(q, k, v, coords, field_ids, block_shape=BLOCK,
+                                               radius_blocks=0, block_summaries=8,
+                                               interpret=kernel_checks.race_params())
+  grads = jax.grad(functools.partial(_loss, op), argnums=(0, 1, 2))(q, k, v)
+  kernel_checks.assert_no_races()
+  ref = lambda q, k, v: ops.pack3d_attention_reference(q, k, v, coords, field_ids,
+                                                       block_shape=BLOCK, radius_blocks=0)
+  grads_ref = jax.grad(functools.partial(_loss, ref), argnums=(0, 1, 2))(q, k, v)
+  for g, g_ref in zip(grads, grads_ref):
+    kernel_checks.assert_close(g, g_ref, rtol=1e-5)  # NaN-filled scratch would show up here
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def _bad(q, k, v, c, f, case):
+  return {
+      "q_rank": (q[0], k, v, c, f),
+      "k_shape": (q, k[:, :5], v, c, f),
+      "coords_shape": (q, k, v, c[..., :2], f),
+      "coords_float": (q, k, v, c.astype(np.float32), f),
+      "coords_negative": (q, k, v, c - 1, f),
+      "field_ids_shape": (q, k, v, c, f[:, :5]),
+      "duplicate_coords": (q, k, v, np.zeros_like(c), f),
+  }[case]
+
+
+@pytest.mark.parametrize("op", [ops.pack3d_attention_reference, ops.pack3d_attention,
+                                kernel.pack3d_attention], ids=["reference", "xla", "pallas"])
+@pytest.mark.parametrize("case, match", [
+    ("q_rank", "`q` must be"), ("k_shape", "`k` has shape"),
+    ("coords_shape", "`coords` has shape"), ("coords_float", "`coords` must be integer"),
+    ("coords_negative", "`coords` must be non-negative"),
+    ("field_ids_shape", "`field_ids` has shape"), ("duplicate_coords", "`coords` repeat"),
+])
+def test_bad_inputs_name_the_argument(op, case, match):
+  coords, field_ids = packed(([(2, 2, 3)],))
+  q, k, v = make_qkv(jnp.float32, n=12, batch=1)
+  with pytest.raises(ValueError, match=match):
+    op(*_bad(q, k, v, coords, field_ids, case), block_shape=BLOCK)
+
+
+def test_too_few_cube_slots_for_traced_coords_is_an_error():
+  q, k, v = make_qkv(jnp.float32)
+  op = jax.jit(lambda c, f: ops.pack3d_attention(q, k, v, c, f, block_shape=BLOCK, max_cubes=8))
+  with pytest.raises(Exception, match="more than max_cubes=8"):
+    jax.block_until_ready(op(COORDS, FIELD_IDS))
+
+
+def test_unknown_block_size_is_an_error():
+  q, k, v = make_qkv(jnp.float32)
+  with pytest.raises(ValueError, match="block_q"):
+    kernel.pack3d_attention(q, k, v, COORDS, FIELD_IDS, block_q=8)
