@@ -1,0 +1,153 @@
+"""FRAC scan: every path (chunked XLA, Mosaic and Triton kernel bodies) against the reference."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxops import frac as ops
+from pallas_kernels import frac_scan as kernel
+from tests import kernel_checks
+
+# L = 45 is not a multiple of the chunk (16); P, N, M are not powers of two.
+BT, L, H, P, N, M, CHUNK = 2, 45, 2, 12, 6, 5, 16
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}  # relative to max|reference|
+ARGNAMES = ("x", "dt", "b", "c", "rates", "weights", "initial_state")
+
+PATHS = {
+    "xla": functools.partial(ops.frac_scan, chunk=CHUNK),
+    "mosaic": functools.partial(kernel.frac_scan, interpret=True, backend="mosaic", chunk=CHUNK),
+    "triton": functools.partial(kernel.frac_scan, interpret=True, backend="triton", chunk=CHUNK),
+}
+
+
+def make_inputs(dtype=jnp.float32, shape=(BT, L, H, P, N, M), seed=0):
+  """Random inputs (never zeros): x, b, c in `dtype`; dt, rates, weights, state float32."""
+  bt, l, h, p, n, m = shape
+  ks = jax.random.split(jax.random.key(seed), 5)
+  x = jax.random.normal(ks[0], (bt, l, h, p))
+  dt = jax.nn.softplus(jax.random.normal(ks[1], (bt, l, h)))
+  b, c = 0.5 * jax.random.normal(ks[2], (2, bt, l, h, n))
+  rates = jnp.exp(jax.random.uniform(ks[3], (h, m), minval=-4.0, maxval=1.5))
+  weights = jax.random.uniform(ks[4], (h, m), minval=0.1, maxval=1.0)
+  state = jax.random.normal(ks[4], (bt, h, m, n, p))
+  return (x.astype(dtype), dt, b.astype(dtype), c.astype(dtype), rates, weights, state)
+
+
+def _loss(op, *args):
+  # Non-linear readouts of both outputs, so no cotangent is uniform.
+  y, state = op(*args)
+  return jnp.sum(jnp.sin(y.astype(jnp.float32))) + jnp.sum(jnp.cos(state))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(path: str):
+  op = ops.frac_scan_reference if path == "reference" else PATHS[path]
+  grad = jax.grad(functools.partial(_loss, op), argnums=tuple(range(7)))
+  return jax.jit(lambda *a: (op(*a), grad(*a)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_matches_reference_forward_and_gradients(path, dtype):
+  args = make_inputs(dtype)
+  # The reference sees the same (possibly bf16-rounded) inputs, computed in float32.
+  (y_ref, s_ref), grads_ref = _compiled("reference")(*(a.astype(jnp.float32) for a in args))
+  (y, s), grads = _compiled(path)(*args)
+  assert y.dtype == dtype and y.shape == (BT, L, H, P)
+  assert s.dtype == jnp.float32 and s.shape == (BT, H, M, N, P)
+  kernel_checks.assert_close(y, y_ref, rtol=TOL[dtype], name="y")
+  kernel_checks.assert_close(s, s_ref, rtol=TOL[dtype], name="state")
+  for name, g, g_ref, a in zip(ARGNAMES, grads, grads_ref, args):
+    assert g.shape == a.shape and g.dtype == a.dtype, name
+    kernel_checks.assert_close(g, g_ref, rtol=TOL[dtype], name=f"d{name}")
+
+
+def test_reference_equals_literal_loop():
+  """The scan against a float64 numpy loop written from DESIGN.md section 4."""
+  args = make_inputs()
+  x, dt, b, c, rates, weights, state = (np.asarray(a, np.float64) for a in args)
+  y = np.zeros(x.shape)
+  for t in range(L):
+    decay = np.exp(-rates * dt[:, t, :, None])                              # [Bt, H, M]
+    update = dt[:, t, :, None, None] * b[:, t, :, :, None] * x[:, t, :, None, :]
+    state = decay[..., None, None] * state + update[:, :, None]
+    y[:, t] = np.einsum("hm,bhn,bhmnp->bhp", weights, c[:, t], state)
+  (y_ref, s_ref), _ = _compiled("reference")(*args)
+  kernel_checks.assert_close(y_ref, y, rtol=1e-5, name="y")
+  kernel_checks.assert_close(s_ref, state, rtol=1e-5, name="state")
+
+
+def test_decoding_step_by_step_equals_full_sequence():
+  x, dt, b, c, rates, weights, state = make_inputs()
+  y_full, s_full = ops.frac_scan(x, dt, b, c, rates, weights, state, chunk=CHUNK)
+  step = jax.jit(ops.frac_step)
+  ys = []
+  for t in range(L):
+    y_t, state = step(state, x[:, t], dt[:, t], b[:, t], c[:, t], rates, weights)
+    ys.append(y_t)
+  kernel_checks.assert_close(jnp.stack(ys, axis=1), y_full, rtol=1e-5, name="y")
+  kernel_checks.assert_close(state, s_full, rtol=1e-5, name="state")
+
+
+def test_impulse_response_is_a_power_law_in_warped_time():
+  """One spike at t = 0: y_t = K(u_t), u_t = T_t - T_0, whose log-log slope is -alpha."""
+  alphas, length = jnp.array([0.3, 0.5, 0.8]), 4096
+  rates, weights = ops.soe_modes(alphas, context=length)
+  dt = jax.random.uniform(jax.random.key(1), (1, length, 3), minval=0.5, maxval=1.5)
+  x = jnp.zeros((1, length, 3, 1)).at[:, 0].set(1.0)
+  b = c = jnp.ones((1, length, 3, 1))
+  y, _ = jax.jit(functools.partial(ops.frac_scan, chunk=64))(x, dt, b, c, rates, weights)
+  u = np.asarray(jnp.cumsum(dt, axis=1) - dt[:, :1])[0]
+  response = np.asarray(y[0, :, :, 0] / dt[0, :1])
+  for h, alpha in enumerate(np.asarray(alphas)):
+    window = (u[:, h] >= 3) & (u[:, h] <= 3000)             # three decades
+    slope = np.polyfit(np.log1p(u[window, h]), np.log(response[window, h]), 1)[0]
+    assert abs(slope + alpha) <= 0.05 * alpha, (alpha, slope)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_lowers_for_hardware(platform):
+  """Forward and gradient lower to Pallas kernels (1 forward; forward + backward) at an
+  odd length and the benchmark's head shape (P = 64, N = 16, M = 16)."""
+  spec = lambda *s, d=jnp.bfloat16: jax.ShapeDtypeStruct(s, d)
+  f32 = jnp.float32
+  args = (spec(1, 333, 4, 64), spec(1, 333, 4, d=f32), spec(1, 333, 4, 16), spec(1, 333, 4, 16),
+          spec(4, 16, d=f32), spec(4, 16, d=f32), spec(1, 4, 16, 16, 64, d=f32))
+  kernel_checks.assert_lowers_to_kernels(kernel.frac_scan, platform, *args, count=1)
+  grad = jax.grad(functools.partial(_loss, kernel.frac_scan), argnums=tuple(range(7)))
+  kernel_checks.assert_lowers_to_kernels(grad, platform, *args, count=2)
+
+
+def test_no_races_and_no_uninitialized_reads():
+  args = make_inputs(shape=(1, 20, 1, 8, 8, 2))
+  op = functools.partial(kernel.frac_scan, interpret=kernel_checks.race_params(), chunk=16)
+  grads = jax.grad(functools.partial(_loss, op), argnums=tuple(range(7)))(*args)
+  kernel_checks.assert_no_races()
+  grads_ref = jax.grad(functools.partial(_loss, ops.frac_scan_reference),
+                       argnums=tuple(range(7)))(*args)
+  for name, g, g_ref in zip(ARGNAMES, grads, grads_ref):  # NaN-filled scratch shows up here
+    kernel_checks.assert_close(g, g_ref, rtol=1e-5, name=name)
+
+
+@pytest.mark.parametrize("op", [ops.frac_scan_reference, ops.frac_scan, kernel.frac_scan],
+                         ids=["reference", "xla", "pallas"])
+@pytest.mark.parametrize("bad, match", [
+    (lambda x, dt, b, c, r, w, s: (x, dt.at[0, 1, 0].set(0.0), b, c, r, w, s), "`dt`.*> 0"),
+    (lambda x, dt, b, c, r, w, s: (x, -dt, b, c, r, w, s), "`dt`.*> 0"),
+    (lambda x, dt, b, c, r, w, s: (x[0], dt, b, c, r, w, s), "`x` must have rank 4"),
+    (lambda x, dt, b, c, r, w, s: (x, dt[:, :3], b, c, r, w, s), "`dt` has shape"),
+    (lambda x, dt, b, c, r, w, s: (x, dt, b[:, :, :1], c, r, w, s), "`b` has shape"),
+    (lambda x, dt, b, c, r, w, s: (x, dt, b, c[..., :2], r, w, s), "`c` has shape"),
+    (lambda x, dt, b, c, r, w, s: (x, dt, b, c, r[:1], w, s), "`rates` has shape"),
+    (lambda x, dt, b, c, r, w, s: (x, dt, b, c, -r, w, s), "`rates`.*>= 0"),
+    (lambda x, dt, b, c, r, w, s: (x, dt, b, c, r, w[:1], s), "`weights` has shape"),
+    (lambda x, dt, b, c, r, w, s: (x, dt, b, c, r, w, s[:, :, :1]), "`initial_state` has shape"),
+])
+def test_bad_inputs_name_the_argument(op, bad, match):
+  with pytest.raises(ValueError, match=match):
+    op(*bad(*make_inputs(shape=(1, 5, 2, 4, 3, 2))))
