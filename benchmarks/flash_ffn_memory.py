@@ -1,8 +1,10 @@
 """Activation memory and CPU time of one FFN layer's forward+backward.
 
 Shape: the paper's 370M config, d=1024, H=8 (d_h=128), E=11, d_e=256, against a SwiGLU
-of width 2752, batch 1. Memory is XLA's compiled temp_size_in_bytes of
-jit(grad(loss wrt x and all params)); the Pallas kernel is measured through its
+of width 2752, batch 1. Memory is XLA's compiled temp_size_in_bytes of the layer's
+forward plus its vjp (gradients of x and all params) for a given upstream gradient dy,
+as inside a model; float32 unless --dtype says otherwise. The Pallas kernel is measured
+through its
 CPU interpreters. The TPU interpreter (`pltpu.InterpretParams`) keeps the kernel's
 blocks outside XLA, as VMEM is outside HBM, so XLA's temp counts exactly the buffers the
 program around the kernel allocates: the number that carries to hardware. The default
@@ -52,15 +54,17 @@ def layers():
 
 
 def fwd_bwd(layer, remat: bool):
+  """(params, x, dy) -> (dparams, dx): the layer's forward and backward inside a model,
+  with the upstream gradient dy given (an argument, so it is not counted as temp)."""
   graphdef, params = nnx.split(layer)
+  call = lambda p, x: nnx.merge(graphdef, p)(x)
+  if remat:
+    call = jax.checkpoint(call)
 
-  def loss(params, x):
-    call = lambda p, x: nnx.merge(graphdef, p)(x)
-    if remat:
-      call = jax.checkpoint(call)
-    return jnp.sum(call(params, x).astype(jnp.float32) ** 2)
+  def step(params, x, dy):
+    return jax.vjp(call, params, x)[1](dy)
 
-  return jax.grad(loss, argnums=(0, 1)), params
+  return step, params
 
 
 def main(_):
@@ -75,7 +79,7 @@ def main(_):
     row = []
     for n in lengths:
       x = jax.ShapeDtypeStruct((1, n, D), _DTYPE.value)
-      memory[name, n] = temp_bytes(fn, params, x)
+      memory[name, n] = temp_bytes(fn, params, x, x)
       row.append(mib(memory[name, n]))
     print(f"| {name} | " + " | ".join(row) + " |", flush=True)
   base = "SwiGLU (unfused)"
@@ -90,7 +94,7 @@ def main(_):
       if name.startswith("FlashFFN Pallas kernel"):
         continue  # the interpreter's time says nothing about the kernel
       fn, params = fwd_bwd(layer, remat)
-      print(f"| L={n} | {name} | {wall_seconds(fn, params, x):.2f} s |", flush=True)
+      print(f"| L={n} | {name} | {wall_seconds(fn, params, x, x):.2f} s |", flush=True)
 
 
 if __name__ == "__main__":

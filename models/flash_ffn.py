@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxops import flash_ffn as ffn_ops
+from jaxops.rms_norm import rms_normalize
 from pallas_kernels import flash_ffn as ffn_kernel
 
 Impl = Literal["pallas", "xla", "reference"]
@@ -36,21 +37,20 @@ def flashffn_matching_swiglu(d_model: int, d_ff: int, *, d_expert: int = 256) ->
   return {"num_experts": experts, "d_expert": d_expert}
 
 
-def heads_and_router(x, w_in, norm_gain, router, *, dtype):
+def heads_and_router(x, w_in, router, *, normalize: bool, dtype):
   """Per-head inputs and router weights of FlashFFN.
 
-  q = x W_in split into heads, q_h <- RMSNorm(q_h) * gain_h (if a gain is given),
+  q = x W_in split into heads, q_h <- q_h / rms(q_h) if `normalize`,
   r_h = sigmoid(q_h W_r^h) / max(sum_e sigmoid(q_h W_r^h)_e, 1e-20) in float32.
-  x [B, L, d], w_in [d, d], norm_gain [H, d_h] or None, router [H, d_h, E]
-  -> q [B, L, H, d_h] (dtype), r [B, L, H, E] (float32).
+  x [B, L, d], w_in [d, d], router [H, d_h, E] -> q [B, L, H, d_h] (dtype),
+  r [B, L, H, E] (float32). The norm's gain is folded into `router` and the tables by
+  the caller (see `FlashFFN.__call__`).
   """
   heads, d_h, experts = router.shape
   lead = x.shape[:-1]
   q = (x.astype(dtype) @ w_in.astype(dtype)).reshape(*lead, heads, d_h)
-  if norm_gain is not None:
-    q32 = q.astype(jnp.float32)
-    q32 = q32 * jax.lax.rsqrt(jnp.mean(q32 * q32, axis=-1, keepdims=True) + 1e-6)
-    q = (q32 * norm_gain.astype(jnp.float32)).astype(dtype)
+  if normalize:
+    q = rms_normalize(q)
   # All heads' z_h = q_h W_r^h as one plain matmul with the block-diagonal [H d_h, H E]
   # router: a batched-over-heads einsum makes XLA transpose q and its gradient to
   # head-major, two extra [L, d] buffers.
@@ -100,18 +100,37 @@ class FlashFFN(nnx.Module):
     self.v = nnx.Param(table(rngs.params(), shape, param_dtype))
     self.w_out = nnx.Param(_xavier(0.707)(rngs.params(), (d_model, d_model), param_dtype))
 
+  def _folded(self, dtype):
+    """(router, k, u, v) with the head-norm gain g folded in.
+
+    (q_hat * g) K^T = q_hat (K * g)^T, so scaling the d_h columns of K, U and the rows
+    of W_r by g is the same as scaling q: the kernel then sees the normalized q_hat,
+    which the norm's backward keeps anyway (one saved [L, d] buffer instead of two).
+    """
+    router = self.router[...]
+    k, u, v = (t[...].astype(dtype) for t in (self.k, self.u, self.v))
+    if self.norm_gain is None:
+      return router, k, u, v
+    gain = self.norm_gain[...]
+    fold = lambda t: (t * gain[:, None, None, :].astype(dtype)).astype(dtype)
+    return router * gain[:, :, None], fold(k), fold(u), v
+
   def heads_and_router(self, x):
-    """x [B, L, d] -> (q [B, L, H, d_h] in the compute dtype, r [B, L, H, E] float32)."""
-    gain = None if self.norm_gain is None else self.norm_gain[...]
-    return heads_and_router(x, self.w_in[...], gain, self.router[...],
-                            dtype=self.dtype or x.dtype)
+    """x [B, L, d] -> (q [B, L, H, d_h] in the compute dtype, r [B, L, H, E] float32).
+
+    q is normalized but not yet multiplied by the norm's gain (folded into the tables).
+    """
+    dtype = self.dtype or x.dtype
+    return heads_and_router(x, self.w_in[...], self._folded(dtype)[0],
+                            normalize=self.norm_gain is not None, dtype=dtype)
 
   def __call__(self, x):
     if x.ndim != 3 or x.shape[-1] != self.w_in.shape[0]:
       raise ValueError(f"FlashFFN: `x` must be [B, L, {self.w_in.shape[0]}], got {x.shape}")
-    q, r = self.heads_and_router(x)
-    dtype = q.dtype
-    k, u, v = (t[...].astype(dtype) for t in (self.k, self.u, self.v))
+    dtype = self.dtype or x.dtype
+    router, k, u, v = self._folded(dtype)
+    q, r = heads_and_router(x, self.w_in[...], router, normalize=self.norm_gain is not None,
+                            dtype=dtype)
     if self.impl == "pallas":
       o = ffn_kernel.mhffn(q, r, k, u, v, interpret=self.interpret)
     elif self.impl == "xla":

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxops import flash_ffn as ops
+from jaxops.rms_norm import rms_normalize
 from models import FlashFFN, SwiGLU, flashffn_matching_swiglu
 from pallas_kernels import flash_ffn as kernel
 from tests import kernel_checks
@@ -179,3 +180,27 @@ def test_layer_rejects_bad_config():
     FlashFFN(D_MODEL, HEADS, EXPERTS, D_EXPERT, impl="cuda", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="num_heads"):
     FlashFFN(30, 4, EXPERTS, D_EXPERT, rngs=nnx.Rngs(0))
+
+
+def test_layer_matches_the_design_formula():
+  """Folding the norm gain into the tables changes nothing: DESIGN.md steps 1-5 literally."""
+  layer = FlashFFN(D_MODEL, HEADS, EXPERTS, D_EXPERT, impl="reference", rngs=nnx.Rngs(0))
+  layer.norm_gain[...] = 1 + 0.5 * jax.random.normal(jax.random.key(5), layer.norm_gain.shape)
+  x = jax.random.normal(jax.random.key(6), (2, 9, D_MODEL))
+  q = (x @ layer.w_in[...]).reshape(2, 9, HEADS, -1)
+  q = q / jnp.sqrt(jnp.mean(q * q, axis=-1, keepdims=True) + 1e-6) * layer.norm_gain[...]
+  sig = jax.nn.sigmoid(jnp.einsum("blhd,hde->blhe", q, layer.router[...]))
+  r = sig / jnp.sum(sig, axis=-1, keepdims=True)
+  o = ops.mhffn_reference(q, r, layer.k[...], layer.u[...], layer.v[...])
+  expected = o.reshape(2, 9, D_MODEL) @ layer.w_out[...]
+  kernel_checks.assert_close(layer(x), expected, rtol=1e-5)
+
+
+def test_rms_normalize_gradient_matches_autodiff():
+  x = jax.random.normal(jax.random.key(7), (3, 5, 16))
+  cot = jax.random.normal(jax.random.key(8), x.shape)
+  plain = lambda x: x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+  kernel_checks.assert_close(rms_normalize(x), plain(x), rtol=1e-6)
+  g = jax.vjp(rms_normalize, x)[1](cot)[0]
+  g_ref = jax.vjp(plain, x)[1](cot)[0]
+  kernel_checks.assert_close(g, g_ref, rtol=1e-5)
