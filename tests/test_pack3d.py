@@ -38,9 +38,10 @@ def packed(fields=FIELDS, layout="shuffled_fields", seed=0):
 COORDS, FIELD_IDS = packed()
 
 
-def make_qkv(dtype, n=COORDS.shape[1], batch=2, d=D, seed=0):
+def make_qkv(dtype, n=COORDS.shape[1], batch=2, d=D, seed=0, heads=H):
   ks = jax.random.split(jax.random.key(seed), 3)
-  return tuple(jax.random.normal(kk, (batch, n, H, d), jnp.float32).astype(dtype) for kk in ks)
+  return tuple(jax.random.normal(kk, (batch, n, heads, d), jnp.float32).astype(dtype)
+               for kk in ks)
 
 
 def _loss(op, *args):
@@ -57,21 +58,35 @@ PATHS = {
 }
 
 
+def fwd_and_grads(op, coords=None, field_ids=None):
+  """jit of q, k, v -> (o, (dq, dk, dv)) for op(q, k, v, coords, field_ids).
+
+  Given coords/field_ids, the jitted function closes over them (exact structure at trace
+  time); without, it takes them as arguments: q, k, v, coords, field_ids (traced).
+  """
+  def both(q, k, v, c, f):
+    grads = jax.grad(functools.partial(_loss, op), argnums=(0, 1, 2))(q, k, v, c, f)
+    return op(q, k, v, c, f), grads
+  if coords is None:
+    return jax.jit(both)
+  return jax.jit(lambda q, k, v: both(q, k, v, coords, field_ids))
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(path: str):
-  """jit of q, k, v -> (o, (dq, dk, dv)) on the packed COORDS, FIELD_IDS."""
+  """fwd_and_grads of a path (or the reference) on the packed COORDS, FIELD_IDS."""
   op = (functools.partial(ops.pack3d_attention_reference, block_shape=BLOCK)
         if path == "reference" else PATHS[path])
-  both = lambda q, k, v, c, f: (op(q, k, v, c, f), jax.grad(
-      functools.partial(_loss, op), argnums=(0, 1, 2))(q, k, v, c, f))
   if path.endswith("traced"):
-    fn = jax.jit(both)
+    fn = fwd_and_grads(op)
     return lambda q, k, v: fn(q, k, v, COORDS, FIELD_IDS)
-  return jax.jit(lambda q, k, v: both(q, k, v, COORDS, FIELD_IDS))
+  return fwd_and_grads(op, COORDS, FIELD_IDS)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("path, dtype", [
+    (path, dtype) for path in PATHS for dtype in (jnp.float32, jnp.bfloat16)
+    if not (path == "xla_traced" and dtype == jnp.bfloat16)  # the structure is dtype-blind
+], ids=lambda x: {jnp.float32: "f32", jnp.bfloat16: "bf16"}.get(x, x))
 def test_matches_reference_forward_and_gradients(path, dtype):
   args = make_qkv(dtype)
   # The reference sees the same (possibly bf16-rounded) inputs, computed in float32.
@@ -99,22 +114,22 @@ def test_xla_options_match_reference(option):
   kwargs = {"block_shape": BLOCK, **OPTIONS.get(option, {})}
   if option == "gated":
     kwargs["gates"] = jax.nn.sigmoid(jax.random.normal(jax.random.key(2), q.shape[:3] + (2,)))
-  ref = ops.pack3d_attention_reference(q, k, v, COORDS, FIELD_IDS, **kwargs)
-  kernel_checks.assert_close(ops.pack3d_attention(q, k, v, COORDS, FIELD_IDS, chunk=5, **kwargs),
-                             ref, rtol=1e-5)
+  run = lambda op: jax.jit(lambda q, k, v: op(q, k, v, COORDS, FIELD_IDS, **kwargs))(q, k, v)
+  kernel_checks.assert_close(run(functools.partial(ops.pack3d_attention, chunk=5)),
+                             run(ops.pack3d_attention_reference), rtol=1e-5)
 
 
-def test_kernel_options_match_reference():
-  """No bias, radius 2, a non-cubic block and rotate-after-compression, forward and grads."""
+def test_kernel_options_and_default_dispatch_match_reference():
+  """No bias, radius 2, a non-cubic block and rotate-after-compression, forward and grads,
+  through the default dispatch (interpret=None: interpreted on CPU)."""
   kwargs = dict(block_bias=False, radius_blocks=2, block_shape=(1, 2, 3),
                 summary_rope=OPTIONS["rotate_after"]["summary_rope"])
-  ref = functools.partial(ops.pack3d_attention_reference, **kwargs)
-  pal = functools.partial(kernel.pack3d_attention, interpret=True, **kwargs)
-  args = (*make_qkv(jnp.float32, seed=3), COORDS, FIELD_IDS)
-  value_and_grad = lambda op: jax.value_and_grad(functools.partial(_loss, op),
-                                                 argnums=(0, 1, 2))(*args)
-  (_, grads), (_, grads_ref) = jax.jit(lambda: value_and_grad(pal))(), value_and_grad(ref)
-  kernel_checks.assert_close(jax.jit(lambda: pal(*args))(), ref(*args), rtol=1e-5, name="o")
+  args = make_qkv(jnp.float32, seed=3)
+  out_ref, grads_ref = fwd_and_grads(functools.partial(ops.pack3d_attention_reference, **kwargs),
+                                     COORDS, FIELD_IDS)(*args)
+  out, grads = fwd_and_grads(functools.partial(kernel.pack3d_attention, **kwargs),
+                             COORDS, FIELD_IDS)(*args)
+  kernel_checks.assert_close(out, out_ref, rtol=1e-5, name="o")
   for name, g, g_ref in zip("qkv", grads, grads_ref):
     kernel_checks.assert_close(g, g_ref, rtol=1e-5, name=f"d{name}")
 
@@ -124,19 +139,23 @@ def test_kernel_options_match_reference():
 def test_cube_of_identical_keys_counts_like_its_tokens():
   """With keys and values constant inside every cube, the log(n_b) bias makes Pack3D equal
   full attention within each field (far cubes stand exactly for their tokens)."""
-  q, k, v = make_qkv(jnp.float32, seed=4)
   layout = ops.cube_layout(COORDS, FIELD_IDS, block_shape=BLOCK)
-  first = lambda x: layout.from_cubes(jnp.broadcast_to(layout.to_cubes(x)[:, :, :1],
-                                                       layout.to_cubes(x).shape))
-  # Slot 0 of a cube is its corner (local (0, 0, 0)), always a token of the field.
-  k, v = first(k), first(v)
-  same_field = jnp.asarray(FIELD_IDS[:, :, None] == FIELD_IDS[:, None, :])
-  full = jax.nn.dot_product_attention(q, k, v, mask=same_field[:, None])
-  for op in (ops.pack3d_attention_reference, ops.pack3d_attention):
-    kernel_checks.assert_close(op(q, k, v, COORDS, FIELD_IDS, block_shape=BLOCK), full,
-                               rtol=1e-5)
-  without_bias = ops.pack3d_attention(q, k, v, COORDS, FIELD_IDS, block_shape=BLOCK,
-                                      block_bias=False)
+  same_field = jnp.asarray(FIELD_IDS[:, :, None] == FIELD_IDS[:, None, :])[:, None]
+
+  @jax.jit
+  def outputs(q, k, v):
+    # Slot 0 of a cube is its corner (local (0, 0, 0)), always a token of the field.
+    first = lambda x: layout.from_cubes(jnp.broadcast_to(layout.to_cubes(x)[:, :, :1],
+                                                         layout.to_cubes(x).shape))
+    k, v = first(k), first(v)
+    full = jax.nn.dot_product_attention(q, k, v, mask=same_field)
+    run = lambda op, **kw: op(q, k, v, COORDS, FIELD_IDS, block_shape=BLOCK, **kw)
+    return full, (run(ops.pack3d_attention_reference), run(ops.pack3d_attention),
+                  run(ops.pack3d_attention, block_bias=False))
+
+  full, (reference, xla, without_bias) = outputs(*make_qkv(jnp.float32, seed=4))
+  kernel_checks.assert_close(reference, full, rtol=1e-5, name="reference")
+  kernel_checks.assert_close(xla, full, rtol=1e-5, name="xla")
   assert float(jnp.max(jnp.abs(without_bias - full))) > 1e-3
 
 
@@ -172,17 +191,17 @@ def test_no_token_in_both_branches():
 
 @functools.lru_cache(maxsize=None)
 def _traced_op(name: str):
-  fn = {"xla": ops.pack3d_attention, "pallas": kernel.pack3d_attention}[name]
-  extra = {"pallas": dict(interpret=True, block_summaries=16)}.get(name, {})
-  return jax.jit(lambda q, k, v, c, f: fn(q, k, v, c, f, block_shape=BLOCK, max_cubes=40,
-                                          **extra))
+  fn = {"reference": ops.pack3d_attention_reference, "xla": ops.pack3d_attention,
+        "pallas": functools.partial(kernel.pack3d_attention, interpret=True, block_summaries=16)
+        }[name]
+  extra = {} if name == "reference" else dict(max_cubes=40)
+  return jax.jit(lambda q, k, v, c, f: fn(q, k, v, c, f, block_shape=BLOCK, **extra))
 
 
 def test_outputs_permute_with_the_tokens_under_every_layout():
   q0, k0, v = make_qkv(jnp.float32, seed=6, d=18)
   rotate = lambda x, c: rope.axial_rope_3d(x, jnp.asarray(c))
-  base = ops.pack3d_attention_reference(rotate(q0, COORDS), rotate(k0, COORDS), v, COORDS,
-                                        FIELD_IDS, block_shape=BLOCK)
+  base = _traced_op("reference")(rotate(q0, COORDS), rotate(k0, COORDS), v, COORDS, FIELD_IDS)
   for layout in packing.LAYOUTS:
     perms = [packing.layout_permutation(COORDS[b], FIELD_IDS[b], layout, block_shape=BLOCK,
                                         seed=7)[0] for b in range(2)]
@@ -190,23 +209,12 @@ def test_outputs_permute_with_the_tokens_under_every_layout():
     c, f = np.asarray(take(COORDS)), np.asarray(take(FIELD_IDS))
     args = (rotate(take(q0), c), rotate(take(k0), c), take(v))
     expected = take(base)
-    kernel_checks.assert_close(ops.pack3d_attention_reference(*args, c, f, block_shape=BLOCK),
-                               expected, rtol=1e-5, name=f"reference {layout}")
-    for name in ("xla", "pallas"):
+    for name in ("reference", "xla", "pallas"):
       kernel_checks.assert_close(_traced_op(name)(*args, c, f), expected, rtol=1e-5,
                                  name=f"{name} {layout}")
 
 
 # ----------------------------------------------------------------------------- kernel checks
-
-def test_default_dispatch_interprets_on_cpu():
-  coords, field_ids = packed(([(3, 4, 3)],), layout="raster_zyx")
-  q, k, v = make_qkv(jnp.float32, n=36, batch=1)
-  kernel_checks.assert_close(
-      kernel.pack3d_attention(q, k, v, coords, field_ids, block_shape=BLOCK, radius_blocks=0),
-      ops.pack3d_attention_reference(q, k, v, coords, field_ids, block_shape=BLOCK,
-                                     radius_blocks=0), rtol=1e-5)
-
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_lowers_for_hardware(platform):
@@ -221,16 +229,16 @@ def test_lowers_for_hardware(platform):
 
 
 def test_no_races_and_no_uninitialized_reads():
-  coords, field_ids = packed(([(4, 3, 6)],))
-  q, k, v = make_qkv(jnp.float32, n=72, batch=1)
+  coords, field_ids = packed(([(2, 4, 6)],))  # 6 cubes, each with its own far cubes
+  q, k, v = make_qkv(jnp.float32, n=48, batch=1, heads=1)
   op = lambda q, k, v: kernel.pack3d_attention(q, k, v, coords, field_ids, block_shape=BLOCK,
                                                radius_blocks=0, block_summaries=8,
                                                interpret=kernel_checks.race_params())
-  grads = jax.grad(functools.partial(_loss, op), argnums=(0, 1, 2))(q, k, v)
+  grads = jax.jit(jax.grad(functools.partial(_loss, op), argnums=(0, 1, 2)))(q, k, v)
   kernel_checks.assert_no_races()
   ref = lambda q, k, v: ops.pack3d_attention_reference(q, k, v, coords, field_ids,
                                                        block_shape=BLOCK, radius_blocks=0)
-  grads_ref = jax.grad(functools.partial(_loss, ref), argnums=(0, 1, 2))(q, k, v)
+  grads_ref = jax.jit(jax.grad(functools.partial(_loss, ref), argnums=(0, 1, 2)))(q, k, v)
   for g, g_ref in zip(grads, grads_ref):
     kernel_checks.assert_close(g, g_ref, rtol=1e-5)  # NaN-filled scratch would show up here
 

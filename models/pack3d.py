@@ -1,0 +1,122 @@
+"""Pack3D attention as a Flax NNX layer: y = layer(x, coords, field_ids), x [B, N, d]."""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxops import pack3d as pack3d_ops
+from jaxops import rope
+from pallas_kernels import pack3d_attention as pack3d_kernel
+
+Impl = Literal["pallas", "xla", "reference"]
+Position = Literal["axial_rope", "learned_packed", "rope_packed", "none"]
+_IMPLS = ("pallas", "xla", "reference")
+_POSITIONS = ("axial_rope", "learned_packed", "rope_packed", "none")
+
+
+class Pack3DAttention(nnx.Module):
+  """Local + cube-summary attention over packed 3D token grids (DESIGN.md section 3).
+
+  x [B, N, d] -> q, k, v = x W_qkv split into H heads [B, N, H, D] -> positions ->
+  Pack3D attention (`jaxops.pack3d`) over (coords, field_ids) -> concat heads -> W_out.
+
+  Position modes:
+    "axial_rope"      axial 3D RoPE of q, k on the grid coordinates, before compression
+                      (invariant to the packing order; D % 6 == 0)
+    "learned_packed"  learned absolute embedding of the packed index added to x
+                      (needs `max_len` >= N); a baseline that depends on the packing order
+    "rope_packed"     1D RoPE of q, k over the packed index (baseline)
+    "none"            no positions
+
+  Args:
+    impl: "pallas" (kernel), "xla" (cube-gather XLA path) or "reference" (dense).
+    merge: "joint" (one softmax over both branches) or "gated" (NSA-style: per-head
+      sigmoid gates from x weight two separately normalized branches; XLA/reference only).
+    rotate_summaries: "before" compression (default) or "after" (the ablation; axial_rope).
+    max_cubes: cube slots when coords are traced (see `jaxops.pack3d`).
+    dtype: compute dtype (params are cast to it); None uses the input's dtype.
+  """
+
+  def __init__(self, d_model: int, num_heads: int, *, block_shape: Sequence[int] = (4, 4, 4),
+               radius_blocks: int = 1, position: Position = "axial_rope", impl: Impl = "pallas",
+               max_len: int | None = None, block_bias: bool = True, merge: str = "joint",
+               rotate_summaries: str = "before", rope_theta: float = 10000.0,
+               spacing: Sequence[float] = (1.0, 1.0, 1.0), max_cubes: int | None = None,
+               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if d_model % num_heads:
+      raise ValueError(f"Pack3DAttention: d_model ({d_model}) must be divisible by num_heads"
+                       f" ({num_heads})")
+    head_dim = d_model // num_heads
+    if impl not in _IMPLS:
+      raise ValueError(f"Pack3DAttention: `impl` must be one of {_IMPLS}, got {impl!r}")
+    if position not in _POSITIONS:
+      raise ValueError(f"Pack3DAttention: `position` must be one of {_POSITIONS}, got {position!r}")
+    if position == "axial_rope" and head_dim % 6:
+      raise ValueError(f"Pack3DAttention: axial_rope needs the head dim (d_model / num_heads ="
+                       f" {head_dim}) divisible by 6")
+    if position == "rope_packed" and head_dim % 2:
+      raise ValueError(f"Pack3DAttention: rope_packed needs an even head dim, got {head_dim}")
+    if position == "learned_packed" and not max_len:
+      raise ValueError("Pack3DAttention: position='learned_packed' needs `max_len`")
+    if merge not in ("joint", "gated"):
+      raise ValueError(f"Pack3DAttention: `merge` must be 'joint' or 'gated', got {merge!r}")
+    if merge == "gated" and impl == "pallas":
+      raise ValueError("Pack3DAttention: merge='gated' needs impl='xla' or 'reference'")
+    if rotate_summaries not in ("before", "after"):
+      raise ValueError(f"Pack3DAttention: `rotate_summaries` must be 'before' or 'after',"
+                       f" got {rotate_summaries!r}")
+    if rotate_summaries == "after" and position != "axial_rope":
+      raise ValueError("Pack3DAttention: rotate_summaries='after' needs position='axial_rope'")
+    self.num_heads, self.position, self.impl, self.merge = num_heads, position, impl, merge
+    self.rope = dict(theta=rope_theta, spacing=tuple(spacing))
+    self.op_kwargs = dict(block_shape=tuple(block_shape), radius_blocks=radius_blocks,
+                          block_bias=block_bias,
+                          summary_rope=self.rope if rotate_summaries == "after" else None)
+    self.max_cubes, self.dtype = max_cubes, dtype
+    xavier = jax.nn.initializers.xavier_uniform()
+    self.w_qkv = nnx.Param(xavier(rngs.params(), (d_model, 3 * d_model), param_dtype))
+    self.w_out = nnx.Param(xavier(rngs.params(), (d_model, d_model), param_dtype))
+    self.pos_embedding = (nnx.Param(jax.nn.initializers.normal(0.02)(
+        rngs.params(), (max_len, d_model), param_dtype)) if position == "learned_packed" else None)
+    self.w_gate = (nnx.Param(xavier(rngs.params(), (d_model, 2 * num_heads), param_dtype))
+                   if merge == "gated" else None)
+
+  def _attend(self, q, k, v, coords, field_ids, gates):
+    if self.impl == "pallas":
+      return pack3d_kernel.pack3d_attention(q, k, v, coords, field_ids, max_cubes=self.max_cubes,
+                                            **self.op_kwargs)
+    if self.impl == "xla":
+      return pack3d_ops.pack3d_attention(q, k, v, coords, field_ids, gates=gates,
+                                         max_cubes=self.max_cubes, **self.op_kwargs)
+    return pack3d_ops.pack3d_attention_reference(q, k, v, coords, field_ids, gates=gates,
+                                                 **self.op_kwargs)
+
+  def __call__(self, x, coords, field_ids):
+    d_model = self.w_out.shape[0]
+    if x.ndim != 3 or x.shape[-1] != d_model:
+      raise ValueError(f"Pack3DAttention: `x` must be [B, N, {d_model}], got {x.shape}")
+    dtype = self.dtype or x.dtype
+    batch, n = x.shape[:2]
+    x = x.astype(dtype)
+    if self.position == "learned_packed":
+      if n > self.pos_embedding.shape[0]:
+        raise ValueError(f"Pack3DAttention: `x` has N={n} tokens, more than max_len="
+                         f"{self.pos_embedding.shape[0]}")
+      x = x + self.pos_embedding[:n].astype(dtype)
+    qkv = (x @ self.w_qkv[...].astype(dtype)).reshape(batch, n, 3, self.num_heads, -1)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if self.position == "axial_rope":
+      q, k = (rope.axial_rope_3d(t, coords, **self.rope) for t in (q, k))
+    elif self.position == "rope_packed":
+      index = jnp.broadcast_to(jnp.arange(n), (batch, n))
+      q, k = (rope.rope_1d(t, index, theta=self.rope["theta"]) for t in (q, k))
+    gates = None
+    if self.merge == "gated":
+      gates = jax.nn.sigmoid(x @ self.w_gate[...].astype(dtype)).reshape(
+          batch, n, self.num_heads, 2)
+    o = self._attend(q, k, v, coords, field_ids, gates)
+    return o.reshape(batch, n, d_model) @ self.w_out[...].astype(dtype)
