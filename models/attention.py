@@ -1,0 +1,81 @@
+"""Causal multi-head self-attention with 1D RoPE, for full sequences and KV-cache decoding.
+
+Shapes: x [B, L, d]; H heads of width D = d / H (D even).
+  q, k, v = x Wq, x Wk, x Wv                      [B, L, H, D]
+  q, k    = RoPE(q, t), RoPE(k, t), t = 0..L-1     jaxops.rope.rope_1d
+  o       = softmax(q k^T / sqrt(D) + causal mask) v, float32 logits and softmax
+  y       = o Wo                                   [B, L, d]
+Decoding keeps k, v for `context` positions: cache {"k", "v": [B, context, H, D], "pos": int32}.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxops.rope import rope_1d
+from models.partitioning import constrain
+
+
+class CausalAttention(nnx.Module):
+  """Causal MHA with RoPE; `context` is the longest sequence `step` can decode.
+
+  Args:
+    d_model, num_heads: d and H (d % H == 0, d / H even).
+    context: KV-cache length for decoding.
+    dtype: compute dtype (None: the input's); parameters stay `param_dtype`.
+  """
+
+  def __init__(self, d_model: int, num_heads: int, *, context: int, rope_theta: float = 10000.0,
+               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if d_model % num_heads or (d_model // num_heads) % 2:
+      raise ValueError(f"CausalAttention: d_model ({d_model}) / num_heads ({num_heads}) must be "
+                       "an even integer")
+    if context < 1:
+      raise ValueError(f"CausalAttention: `context` must be >= 1, got {context}")
+    d_h = d_model // num_heads
+    self.num_heads, self.context, self.theta, self.dtype = num_heads, context, rope_theta, dtype
+    init = jax.nn.initializers.normal(d_model ** -0.5)
+    self.wq, self.wk, self.wv = (nnx.Param(init(rngs.params(), (d_model, num_heads, d_h),
+                                                param_dtype)) for _ in range(3))
+    self.wo = nnx.Param(init(rngs.params(), (num_heads, d_h, d_model), param_dtype))
+
+  def _qkv(self, x, positions):
+    dtype = self.dtype or x.dtype
+    x = x.astype(dtype)
+    q, k, v = (jnp.einsum("bld,dhk->blhk", x, w[...].astype(dtype))
+               for w in (self.wq, self.wk, self.wv))
+    positions = jnp.broadcast_to(positions, x.shape[:2])
+    return rope_1d(q, positions, theta=self.theta), rope_1d(k, positions, theta=self.theta), v
+
+  def _attend(self, q, k, v, mask):
+    """q [B, Lq, H, D], k, v [B, Lk, H, D], mask [Lq, Lk] (True = keep) -> [B, Lq, d]."""
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask, logits * q.shape[-1] ** -0.5, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    o = constrain(o, ("batch", "seq", "act_heads", None))
+    return jnp.einsum("bqhd,hdm->bqm", o, self.wo[...].astype(v.dtype))
+
+  def __call__(self, x):
+    """x [B, L, d] -> [B, L, d]."""
+    length = x.shape[1]
+    q, k, v = self._qkv(x, jnp.arange(length))
+    q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
+    return self._attend(q, k, v, jnp.tril(jnp.ones((length, length), bool)))
+
+  def init_cache(self, batch: int):
+    d_h = self.wq.shape[-1]
+    zeros = jnp.zeros((batch, self.context, self.num_heads, d_h), self.dtype or jnp.float32)
+    return {"k": zeros, "v": zeros, "pos": jnp.zeros((), jnp.int32)}
+
+  def step(self, x_t, cache):
+    """One token: x_t [B, d] at position cache["pos"] (< context) -> (y_t [B, d], cache)."""
+    pos = cache["pos"]
+    q, k, v = self._qkv(x_t[:, None], pos[None])
+    k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), pos, 1)
+    v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), pos, 1)
+    mask = (jnp.arange(self.context) <= pos)[None]
+    y = self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask)
+    return y[:, 0], {"k": k_all, "v": v_all, "pos": pos + 1}

@@ -1,0 +1,172 @@
+"""Byte/char-level decoder LanguageModel with a choice of sequence mixer and FFN.
+
+tokens [B, L] int -> embedding [B, L, d] -> N blocks -> RMSNorm -> head -> logits [B, L, V] (f32).
+Block (pre-norm):  x = x + mixer(RMSNorm(x));  x = x + ffn(RMSNorm(x)).
+  mixer: "attention" (causal MHA + 1D RoPE, KV cache), "frac" (FRAC, bounded state),
+         "mamba2" (FRAC with alpha = 1 and one mode: the Mamba-2 baseline).
+  ffn:   "swiglu" or "flashffn".
+`generate` decodes token by token with `init_cache` / `step` (KV cache or recurrent state); its
+greedy output equals the argmax of the full forward at each position.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import CausalAttention
+from models.flash_ffn import FlashFFN, SwiGLU
+from models.norm import RMSNorm
+from models.partitioning import constrain, shard_layer
+
+MIXERS = ("attention", "frac", "mamba2")
+FFNS = ("swiglu", "flashffn")
+IMPLS = ("pallas", "xla", "reference")
+
+
+def make_mixer(kind: str, d_model: int, num_heads: int, *, context: int, impl: str, dtype,
+               options: dict, rngs: nnx.Rngs) -> nnx.Module:
+  """The sequence mixer `kind` (one of MIXERS); `options` go to its constructor."""
+  if kind == "attention":
+    return CausalAttention(d_model, num_heads, context=context, dtype=dtype, rngs=rngs, **options)
+  from models.frac import FRACMixer  # noqa: PLC0415  (lazy: FRAC lives in its own module)
+  return FRACMixer(d_model, num_heads=num_heads, context=context, impl=impl, dtype=dtype,
+                   mamba2=kind == "mamba2", rngs=rngs, **options)
+
+
+def make_ffn(kind: str, d_model: int, num_heads: int, *, impl: str, dtype, options: dict,
+             rngs: nnx.Rngs) -> nnx.Module:
+  """The FFN `kind` (one of FFNS): SwiGLU(d_model, **options) or FlashFFN(d_model, **options)."""
+  if kind == "swiglu":
+    return SwiGLU(d_model, dtype=dtype, rngs=rngs, **options)
+  return FlashFFN(d_model, **{"num_heads": num_heads, "impl": impl, **options}, dtype=dtype,
+                  rngs=rngs)
+
+
+class Block(nnx.Module):
+  """x + mixer(norm(x)), then + ffn(norm(.)); Pallas layers run under shard_map (see partitioning)."""
+
+  def __init__(self, mixer: nnx.Module, ffn: nnx.Module, d_model: int, *, pallas_mixer: bool,
+               pallas_ffn: bool):
+    self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
+    self.mixer, self.ffn = mixer, ffn
+    self.pallas_mixer, self.pallas_ffn = pallas_mixer, pallas_ffn
+
+  def __call__(self, x):
+    h = self.norm1(x)
+    x = x + (shard_layer(self.mixer, h) if self.pallas_mixer else self.mixer(h))
+    h = self.norm2(x)
+    x = x + (shard_layer(self.ffn, h, split_seq=True) if self.pallas_ffn else self.ffn(h))
+    return constrain(x, ("batch", "seq", None))
+
+  def step(self, x_t, cache):
+    """x_t [B, d] -> (y_t [B, d], cache)."""
+    h, cache = self.mixer.step(self.norm1(x_t), cache)
+    x_t = x_t + h.astype(x_t.dtype)
+    return x_t + self.ffn(self.norm2(x_t)[:, None])[:, 0], cache
+
+
+class LanguageModel(nnx.Module):
+  """Decoder LM over `vocab_size` tokens (256: bytes).
+
+  Args:
+    d_model, num_layers, num_heads: width d, depth N, heads of the mixer (and FlashFFN default).
+    context: training length; the attention KV cache and FRAC's memory rates are sized from it.
+    mixer, ffn: one of MIXERS, one of FFNS.
+    mixer_options, ffn_options: extra constructor arguments, e.g. {"head_dim": 32,
+      "state_dim": 16} for FRAC, {"d_ff": 512} for SwiGLU, {"num_experts": 4, "d_expert": 64}
+      for FlashFFN.
+    impl: kernel choice for FlashFFN / FRAC ("pallas", "xla", "reference").
+    dtype: compute dtype (None: float32); parameters stay float32.
+  """
+
+  def __init__(self, *, d_model: int, num_layers: int, num_heads: int, context: int,
+               mixer: str = "attention", ffn: str = "swiglu", mixer_options: dict | None = None,
+               ffn_options: dict | None = None, impl: str = "xla", vocab_size: int = 256,
+               dtype=None, rngs: nnx.Rngs):
+    for name, value, allowed in (("mixer", mixer, MIXERS), ("ffn", ffn, FFNS),
+                                 ("impl", impl, IMPLS)):
+      if value not in allowed:
+        raise ValueError(f"LanguageModel: `{name}` must be one of {allowed}, got {value!r}")
+    for name, value in (("d_model", d_model), ("num_layers", num_layers),
+                        ("num_heads", num_heads), ("context", context),
+                        ("vocab_size", vocab_size)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"LanguageModel: `{name}` must be a positive int, got {value!r}")
+    self.mixer_kind, self.context, self.dtype = mixer, context, dtype
+    self.embed = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, d_model)))
+    self.blocks = nnx.List([
+        Block(make_mixer(mixer, d_model, num_heads, context=context, impl=impl, dtype=dtype,
+                         options=dict(mixer_options or {}), rngs=rngs),
+              make_ffn(ffn, d_model, num_heads, impl=impl, dtype=dtype,
+                       options=dict(ffn_options or {}), rngs=rngs),
+              d_model, pallas_mixer=impl == "pallas" and mixer != "attention",
+              pallas_ffn=impl == "pallas" and ffn == "flashffn")
+        for _ in range(num_layers)])
+    self.norm = RMSNorm(d_model)
+    self.head = nnx.Param(jax.random.normal(rngs.params(), (d_model, vocab_size)) * d_model ** -0.5)
+
+  def _logits(self, x):
+    x = self.norm(x)
+    return jnp.einsum("...d,dv->...v", x, self.head[...].astype(x.dtype),
+                      preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens):
+    """tokens [B, L] int -> logits [B, L, V] float32."""
+    x = self.embed[...][tokens].astype(self.dtype or jnp.float32)
+    x = constrain(x, ("batch", "seq", None))
+    for block in self.blocks:
+      x = block(x)
+    return constrain(self._logits(x), ("batch", "seq", "act_vocab"))
+
+  def init_cache(self, batch: int):
+    """Per-block decoding caches (KV cache for attention, bounded state for FRAC)."""
+    return [block.mixer.init_cache(batch) for block in self.blocks]
+
+  def step(self, token_t, cache):
+    """token_t [B] int -> (logits_t [B, V] float32, cache)."""
+    x = self.embed[...][token_t].astype(self.dtype or jnp.float32)
+    new_cache = []
+    for block, c in zip(self.blocks, cache):
+      x, c = block.step(x, c)
+      new_cache.append(c)
+    return self._logits(x), new_cache
+
+  def generate(self, prompt, num_tokens: int, *, temperature: float = 0.0, seed: int = 0):
+    """Continue `prompt` [B, P] int by `num_tokens` tokens, one at a time -> [B, P + num_tokens].
+
+    The prompt is fed through `step` too (recurrent prefill). temperature 0 is greedy (argmax).
+    """
+    prompt = jnp.asarray(prompt, jnp.int32)
+    if prompt.ndim != 2 or prompt.shape[1] < 1:
+      raise ValueError(f"generate: `prompt` must be [B, P] with P >= 1, got {prompt.shape}")
+    total = prompt.shape[1] + num_tokens
+    if self.mixer_kind == "attention" and total > self.context:
+      raise ValueError(f"generate: prompt + num_tokens = {total} exceeds the attention KV cache "
+                       f"(context={self.context})")
+    graphdef, state = nnx.split(self)
+    return _generate(graphdef, state, prompt, num_tokens, jnp.float32(temperature),
+                     jax.random.key(seed))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _generate(graphdef, state, prompt, num_tokens, temperature, key):
+  model = nnx.merge(graphdef, state)
+  batch, plen = prompt.shape
+  tokens = jnp.zeros((batch, plen + num_tokens), jnp.int32).at[:, :plen].set(prompt)
+
+  def body(carry, t):
+    tokens, cache = carry
+    logits, cache = model.step(tokens[:, t], cache)
+    sampled = jax.random.categorical(jax.random.fold_in(key, t),
+                                     logits / jnp.maximum(temperature, 1e-6))
+    nxt = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    nxt = jnp.where(t + 1 < plen, tokens[:, t + 1], nxt)
+    return (tokens.at[:, t + 1].set(nxt), cache), None
+
+  (tokens, _), _ = jax.lax.scan(body, (tokens, model.init_cache(batch)),
+                                jnp.arange(plen + num_tokens - 1))
+  return tokens

@@ -1,0 +1,20 @@
+"""RMSNorm as an NNX layer: y = x / sqrt(mean(x^2) + eps) * scale, computed in float32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class RMSNorm(nnx.Module):
+  """x [..., d] -> same shape and dtype; the statistics are float32; `scale` [d] starts at ones."""
+
+  def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32):
+    self.eps = eps
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)

@@ -1,0 +1,126 @@
+"""Logical axis names for parameters and activations, and their mapping onto the mesh.
+
+The mesh has three axes, ("data", "fsdp", "tensor"). Every parameter of the models in `models/`
+gets a tuple of logical axis names (one per dimension) from `PARAM_AXES`, keyed by the owning
+module's class name and the attribute name; activations are constrained with `constrain(x, names)`.
+`RULES` maps a logical name to mesh axes:
+
+  batch                   -> ("data", "fsdp")   batch split over data * fsdp
+  embed, expert_mlp       -> "fsdp"             parameters sharded (ZeRO-3 style) over fsdp
+  vocab, heads, mlp       -> "tensor"           tensor parallelism (Megatron-style column/row)
+  act_heads, act_vocab    -> "tensor"
+  anything else           -> replicated
+
+A dimension that the mapped mesh axes do not divide, or whose mesh axis an earlier dimension
+already uses, stays replicated, so any shape is legal. Parameters of classes missing from
+`PARAM_AXES` are replicated.
+
+Pallas kernels cannot be auto-partitioned, so layers that call one run through `shard_layer`:
+under `jax.shard_map` with the batch split over ("data", "fsdp") and, for token-wise layers,
+the sequence split over "tensor"; their parameters enter replicated (all-gathered at the edge).
+With no mesh in context (`jax.set_mesh`) every helper here is the identity.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+RULES: dict[str, tuple[str, ...]] = {
+    "batch": BATCH_AXES,
+    "embed": ("fsdp",),
+    "expert_mlp": ("fsdp",),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "mlp": ("tensor",),
+    "act_heads": ("tensor",),
+    "act_vocab": ("tensor",),
+}
+
+_W_IN = {"w_in": ("embed", "mlp"), "w_out": ("mlp", "embed")}
+PARAM_AXES: dict[str, dict[str, tuple]] = {
+    "LanguageModel": {"embed": ("vocab", "embed"), "head": ("embed", "vocab")},
+    "RMSNorm": {"scale": (None,)},
+    "CausalAttention": {"wq": ("embed", "heads", None), "wk": ("embed", "heads", None),
+                        "wv": ("embed", "heads", None), "wo": ("heads", None, "embed")},
+    "SwiGLU": {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")},
+    "FlashFFN": {**_W_IN, "router": ("heads", None, None), "norm_gain": (None, None),
+                 "k": ("heads", None, "expert_mlp", None), "u": ("heads", None, "expert_mlp", None),
+                 "v": ("heads", None, "expert_mlp", None)},
+    "FRACMixer": {"in_proj": ("embed", None), "out_proj": (None, "embed")},
+}
+
+
+def spec_for(names: Sequence[str | None], shape: Sequence[int], mesh) -> P:
+  """PartitionSpec for an array of `shape` whose dimensions carry logical `names`."""
+  if len(names) != len(shape):
+    raise ValueError(f"logical axes {tuple(names)} do not match shape {tuple(shape)}")
+  used, spec = set(), []
+  for name, size in zip(names, shape):
+    axes = tuple(a for a in RULES.get(name, ()) if a in mesh.shape and a not in used)
+    if axes and size % math.prod(mesh.shape[a] for a in axes) == 0:
+      used.update(axes)
+      spec.append(axes if len(axes) > 1 else axes[0])
+    else:
+      spec.append(None)
+  return P(*spec)
+
+
+def param_logical_axes(model: nnx.Module) -> dict[tuple, tuple]:
+  """{path of each nnx.Param: its logical axis names} (replicated names for unknown classes)."""
+  modules, axes = {}, {}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module):
+      modules[path] = node
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Param):
+      owner = modules.get(path[:-1])
+      table = PARAM_AXES.get(type(owner).__name__, {})
+      axes[path] = table.get(path[-1], (None,) * node.ndim)
+  return axes
+
+
+def _active_mesh():
+  """The context mesh, or None without one, with one device, or inside a shard_map."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1 or jax.sharding.AxisType.Manual in mesh.axis_types:
+    return None
+  return mesh
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  """with_sharding_constraint by logical names under the context mesh; identity without one."""
+  mesh = _active_mesh()
+  if mesh is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, spec_for(names, x.shape, mesh))
+
+
+def shard_layer(layer: nnx.Module, x: jax.Array, *extra: jax.Array, split_seq: bool = False):
+  """layer(x, *extra) under jax.shard_map when a mesh is active (for Pallas-kernel layers).
+
+  x [B, L, ...] and every `extra` [B, ...] are split over BATCH_AXES along B; with `split_seq`
+  (token-wise layers only) x is also split over "tensor" along L. Parameters are replicated
+  inside the map. The output has x's layout.
+  """
+  mesh = _active_mesh()
+  if mesh is None:
+    return layer(x, *extra)
+  graphdef, state = nnx.split(layer)
+  x_spec = spec_for(("batch", "seq") + (None,) * (x.ndim - 2), x.shape, mesh)
+  if split_seq and x.shape[1] % mesh.shape["tensor"] == 0:
+    x_spec = P(x_spec[0], "tensor", *x_spec[2:])
+  extra_specs = tuple(P(x_spec[0]) for _ in extra)
+
+  def run(state, x, *extra):
+    return nnx.merge(graphdef, state)(x, *extra)
+
+  return jax.shard_map(run, in_specs=(P(), x_spec) + extra_specs, out_specs=x_spec,
+                       check_vma=False)(state, x, *extra)

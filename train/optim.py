@@ -1,0 +1,42 @@
+"""The optimizer: global-norm clipping, then AdamW on a linear-warmup + cosine-decay schedule.
+
+lr(t) = lr * t / warmup for t < warmup, then cosine from lr down to lr * min_lr_ratio at `steps`
+(a run shorter than the warmup stays in the warmup).
+Weight decay applies to matrices only (ndim >= 2), not to norm gains or biases.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def schedule(optim_config, steps: int) -> optax.Schedule:
+  c = optim_config
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=c.lr, warmup_steps=c.warmup_steps,
+      decay_steps=max(steps, c.warmup_steps + 1), end_value=c.lr * c.min_lr_ratio)
+
+
+def make_optimizer(optim_config, steps: int) -> optax.GradientTransformation:
+  c = optim_config
+  decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+  return optax.chain(
+      optax.clip_by_global_norm(c.clip_norm),
+      optax.adamw(schedule(c, steps), b1=c.b1, b2=c.b2, weight_decay=c.weight_decay,
+                  mask=decay_mask))
+
+
+def check_optim_config(c) -> None:
+  """ValueError naming the first bad field of config.optim."""
+  for name in ("lr", "clip_norm"):
+    if not c[name] > 0:
+      raise ValueError(f"config.optim.{name} must be > 0, got {c[name]!r}")
+  for name in ("weight_decay", "min_lr_ratio"):
+    if not c[name] >= 0:
+      raise ValueError(f"config.optim.{name} must be >= 0, got {c[name]!r}")
+  for name in ("b1", "b2"):
+    if not 0 <= c[name] < 1:
+      raise ValueError(f"config.optim.{name} must be in [0, 1), got {c[name]!r}")
+  if not isinstance(c.warmup_steps, int) or c.warmup_steps < 0:
+    raise ValueError(f"config.optim.warmup_steps must be an int >= 0, got {c.warmup_steps!r}")

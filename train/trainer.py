@@ -1,0 +1,186 @@
+"""One trainer for every task: sharded jitted steps, evaluation, checkpoints, metrics.
+
+A `Task` says what to train: a model factory, a loss, and batches as pure functions of the step
+(training) or of an index (evaluation). `fit` does the rest:
+
+  state = {"step", "params", "opt_state"}     params float32, sharded by logical axes
+  state', metrics = train_step(state, batch)  jitted, state donated; AdamW + clipping (train/optim)
+  every config.eval_every steps: mean loss over config.eval_batches evaluation batches
+  every config.checkpoint_every steps (and at the end): orbax checkpoint, newest few kept
+  start: resume from the newest checkpoint in workdir/checkpoints, if any
+
+`step` is also the data position (batch = task.train_batch(step)), so a stopped and resumed run
+reproduces the uninterrupted run's losses exactly. A non-finite loss raises NonFiniteLossError
+naming the step; nothing after the last good checkpoint is saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from train import metrics as metrics_lib
+from train import optim, sharding
+from train.checkpoints import Checkpoints
+
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class NonFiniteLossError(RuntimeError):
+  """The training loss became NaN or infinite."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """What to train.
+
+  make_model: () -> nnx.Module, deterministic (seeded from the config).
+  loss_fn: (model, batch) -> (scalar loss, {name: scalar}) on device arrays.
+  train_batch: step -> {name: np.ndarray [global_batch, ...]}, a pure function of the step.
+  eval_batch: index -> the same, for evaluation.
+  tokens_per_batch: for the tokens/s figure.
+  """
+  make_model: Callable[[], nnx.Module]
+  loss_fn: Callable[[nnx.Module, dict], tuple[jax.Array, dict]]
+  train_batch: Callable[[int], dict]
+  eval_batch: Callable[[int], dict]
+  tokens_per_batch: int
+
+
+@dataclasses.dataclass
+class FitResult:
+  model: nnx.Module          # with the final parameters
+  final_loss: float | None  # None when no step ran (the run was already complete)
+  eval_loss: float | None
+  steps_per_s: float
+  workdir: pathlib.Path
+
+
+def compute_dtype(config):
+  return COMPUTE_DTYPES[config.compute_dtype]
+
+
+def check_config(config) -> None:
+  """ValueError naming the first bad generic field (mesh, batch, intervals, optimizer, dtype)."""
+  for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches",
+               "checkpoint_every", "keep_checkpoints"):
+    value = config[name]
+    if not isinstance(value, int) or value < 1:
+      raise ValueError(f"config.{name} must be a positive int, got {value!r}")
+  if config.compute_dtype not in COMPUTE_DTYPES:
+    raise ValueError(f"config.compute_dtype must be one of {tuple(COMPUTE_DTYPES)}, "
+                     f"got {config.compute_dtype!r}")
+  shape = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(config.mesh, jax.device_count())))
+  if config.batch_size % (shape["data"] * shape["fsdp"]):
+    raise ValueError(f"config.batch_size ({config.batch_size}) must be divisible by "
+                     f"config.mesh.data * config.mesh.fsdp = {shape['data'] * shape['fsdp']}")
+  optim.check_optim_config(config.optim)
+
+
+def _init_state(task: Task, tx, mesh):
+  """Fresh sharded state and the graph pieces to rebuild the model from params."""
+  abstract = nnx.eval_shape(task.make_model)
+  graphdef, abstract_params, abstract_rest = nnx.split(abstract, nnx.Param, ...)
+  param_sh = sharding.param_shardings(abstract, abstract_params, mesh)
+  rest_sh = jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract_rest)
+
+  def init():
+    _, params, rest = nnx.split(task.make_model(), nnx.Param, ...)
+    return params, rest
+
+  params, rest = jax.jit(init, out_shardings=(param_sh, rest_sh))()
+  state = {"step": jnp.zeros((), jnp.int32), "params": params,
+           "opt_state": jax.jit(tx.init)(params)}
+  return graphdef, rest, state
+
+
+def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
+  """Train `task` for config.steps steps (resuming from workdir's newest checkpoint)."""
+  check_config(config)
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  mesh = sharding.make_mesh(config.mesh)
+  tx = optim.make_optimizer(config.optim, config.steps)
+  lr = optim.schedule(config.optim, config.steps)
+  with jax.set_mesh(mesh):
+    graphdef, rest, state = _init_state(task, tx, mesh)
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    model_of = lambda params: nnx.merge(graphdef, params, rest)
+
+    def train_step(state, batch):
+      grad_fn = jax.value_and_grad(lambda p: task.loss_fn(model_of(p), batch), has_aux=True)
+      (loss, aux), grads = grad_fn(state["params"])
+      updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+      new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
+             "opt_state": opt_state}
+      return new, {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr(state["step"]),
+                   **aux}
+
+    train_step = jax.jit(train_step, in_shardings=(state_sh, None), out_shardings=(state_sh, None),
+                         donate_argnums=0)
+    eval_loss_fn = jax.jit(lambda params, batch: task.loss_fn(model_of(params), batch)[0])
+
+    checkpoints = Checkpoints(workdir / "checkpoints", every=config.checkpoint_every,
+                              keep=config.keep_checkpoints)
+    restored = checkpoints.restore_latest(state)
+    if restored is not None:
+      state = restored
+    start = int(state["step"])
+    (workdir / "config.json").write_text(config.to_json(indent=2))
+    writer = metrics_lib.MetricWriter(workdir, resume_step=start)
+    bar = metrics_lib.ProgressBar(config.steps, task.tokens_per_batch)
+    if start:
+      print(f"Resuming from the checkpoint at step {start} in {checkpoints.manager.directory}")
+
+    def record(step, step_metrics):
+      values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+      if not math.isfinite(values["loss"]):
+        raise NonFiniteLossError(
+            f"loss is {values['loss']} at step {step}: stopping. The newest good checkpoint is "
+            f"step {checkpoints.latest_step()} in {checkpoints.manager.directory}")
+      bar.update(step, values["loss"])
+      if step % config.log_every == 0 or step + 1 == config.steps:
+        writer.write(step, {**values, "steps_per_s": bar.rate,
+                            "tokens_per_s": bar.rate * task.tokens_per_batch})
+      return values["loss"]
+
+    def evaluate(params):
+      losses = [eval_loss_fn(params, sharding.put_batch(task.eval_batch(i), mesh))
+                for i in range(config.eval_batches)]
+      return float(np.mean(jax.device_get(losses)))
+
+    pending, loss, eval_loss = None, None, None
+    try:
+      for step in range(start, config.steps):
+        state, step_metrics = train_step(state, sharding.put_batch(task.train_batch(step), mesh))
+        if pending is not None:
+          loss = record(*pending)        # one step behind: the host check overlaps the next step
+        pending = (step, step_metrics)
+        done = step + 1
+        if done % config.eval_every == 0 or checkpoints.due(done, config.steps):
+          loss, pending = record(*pending), None
+          if done % config.eval_every == 0 or done == config.steps:
+            eval_loss = evaluate(state["params"])
+            writer.write(step, {"eval_loss": eval_loss})
+          if checkpoints.due(done, config.steps):
+            checkpoints.save(done, state)
+    finally:
+      bar.close()
+      checkpoints.close()
+      writer.close()
+    if jax.process_index() == 0 and writer.path.exists():
+      metrics_lib.plot_losses(writer.path, workdir / "loss.png")
+    summary = {"final_loss": loss, "eval_loss": eval_loss, "steps_per_s": bar.rate}
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return FitResult(model=model_of(state["params"]), workdir=workdir, **summary)
