@@ -1,0 +1,195 @@
+"""FRACMixer: a Mamba-2 style selective SSM layer with power-law memory (DESIGN.md section 4)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxops import frac as frac_ops
+from pallas_kernels import frac_scan as frac_kernel
+
+Impl = Literal["pallas", "xla", "reference"]
+_IMPLS = ("pallas", "xla", "reference")
+_F32 = jnp.float32
+
+
+def _inverse_softplus(y):
+  return y + jnp.log(-jnp.expm1(-y))
+
+
+def _logit(p):
+  return jnp.log(p) - jnp.log1p(-p)
+
+
+class FRACMixer(nnx.Module):
+  """Selective SSM mixer whose per-head memory decays as (1 + u)^(-alpha_h).
+
+  x [B, L, d] -> in_proj -> (z [d_in], x [d_in], B [N], C [N], dt [H]), d_in = H P
+  (x, B, C) -> causal depthwise conv (width `conv_width`) -> silu;  B, C shared by heads
+  dt = softplus(dt + dt_bias)                                     float32, init ~ 1
+  (rates, weights) = soe_modes(alpha_h) with rates * exp(log_timescale_h)   [H, M]
+  y = frac_scan(x, dt, B, C, rates, weights) + D x                (see `jaxops.frac`)
+  out = out_proj(rmsnorm(y * silu(z)) * gain)
+
+  alpha_h = alpha_min + (1 - alpha_min) sigmoid(alpha_logit_h) is learnable; at init the
+  heads spread over [max(0.2, alpha_min), 0.9] (or `alpha_init`). The modes' rates cover
+  warped times up to 4 * `context`.
+
+  `mamba2=True` is the in-house baseline: one mode of weight 1 and rate
+  A_h = exp(log_timescale_h), i.e. Mamba-2's exponential decay exp(-A_h dt_t); its A_h
+  start log-spaced over [1/context, 1] across heads. No alpha parameters then.
+
+  Decoding: `init_cache(batch)` and `step(x_t, cache)`; the cache holds the conv window
+  and the M * N * P numbers per head of the state, whatever the context length.
+
+  Args:
+    impl: "pallas" (kernel), "xla" (chunked XLA path) or "reference" (sequential scan).
+    learn_timescale: whether log_timescale (init 0 for FRAC) is trained.
+    chunk: scan chunk for "pallas"/"xla" (None: the op's default).
+    dtype: compute dtype of projections and scan inputs; None uses the input's dtype.
+  """
+
+  def __init__(self, d_model: int, *, num_heads: int, head_dim: int, state_dim: int,
+               num_modes: int | None = None, context: int = 2048, alpha_min: float = 0.2,
+               alpha_init=None, conv_width: int = 4, impl: Impl = "xla", mamba2: bool = False,
+               learn_timescale: bool = True, chunk: int | None = None, dtype=None,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if impl not in _IMPLS:
+      raise ValueError(f"FRACMixer: `impl` must be one of {_IMPLS}, got {impl!r}")
+    if not 0.0 < alpha_min < 1.0:
+      raise ValueError(f"FRACMixer: `alpha_min` must lie in (0, 1), got {alpha_min}")
+    if conv_width < 1:
+      raise ValueError(f"FRACMixer: `conv_width` must be >= 1, got {conv_width}")
+    if mamba2 and num_modes not in (None, 1):
+      raise ValueError(f"FRACMixer: mamba2=True uses one mode; got num_modes={num_modes}")
+    if mamba2 and alpha_init is not None:
+      raise ValueError("FRACMixer: mamba2=True has no alpha; do not pass `alpha_init`")
+    self.num_heads, self.head_dim, self.state_dim = num_heads, head_dim, state_dim
+    self.context, self.alpha_min, self.impl, self.chunk = context, alpha_min, impl, chunk
+    self.mamba2, self.learn_timescale, self.dtype = mamba2, learn_timescale, dtype
+    self.num_modes = 1 if mamba2 else (num_modes or frac_ops.default_num_modes(context))
+    d_inner = num_heads * head_dim
+    conv_dim = d_inner + 2 * state_dim
+    lecun = jax.nn.initializers.lecun_normal()
+    self.in_proj = nnx.Param(lecun(rngs.params(), (d_model, 2 * d_inner + 2 * state_dim
+                                                    + num_heads), param_dtype))
+    self.conv_weight = nnx.Param(jax.random.uniform(
+        rngs.params(), (conv_width, conv_dim), param_dtype, -1.0, 1.0) / math.sqrt(conv_width))
+    self.conv_bias = nnx.Param(jnp.zeros((conv_dim,), param_dtype))
+    dt = jnp.exp(jax.random.uniform(rngs.params(), (num_heads,), _F32, math.log(0.5),
+                                    math.log(2.0)))
+    self.dt_bias = nnx.Param(_inverse_softplus(dt).astype(param_dtype))
+    if mamba2:
+      log_a = jnp.linspace(0.0, -math.log(context), num_heads)
+      self.log_timescale = nnx.Param(log_a.astype(param_dtype))
+      self.alpha_logit = None
+    else:
+      lo = max(0.2, alpha_min)
+      alpha = (jnp.linspace(lo, 0.9, num_heads) if alpha_init is None
+               else jnp.broadcast_to(jnp.asarray(alpha_init, _F32), (num_heads,)))
+      if not bool(jnp.all((alpha >= alpha_min) & (alpha <= 1.0))):
+        raise ValueError(f"FRACMixer: `alpha_init` must lie in [alpha_min={alpha_min}, 1],"
+                         f" got {alpha}")
+      frac = jnp.clip((alpha - alpha_min) / (1 - alpha_min), 1e-3, 1 - 1e-3)
+      self.alpha_logit = nnx.Param(_logit(frac).astype(param_dtype))
+      self.log_timescale = nnx.Param(jnp.zeros((num_heads,), param_dtype))
+    self.skip = nnx.Param(jnp.ones((num_heads,), param_dtype))
+    self.norm_gain = nnx.Param(jnp.ones((d_inner,), param_dtype))
+    self.out_proj = nnx.Param(lecun(rngs.params(), (d_inner, d_model), param_dtype))
+
+  # --------------------------------------------------------------------------- pieces
+
+  def alpha(self):
+    """alpha_h in (alpha_min, 1), [H] float32 (1 for the Mamba-2 baseline)."""
+    if self.mamba2:
+      return jnp.ones((self.num_heads,), _F32)
+    logit = self.alpha_logit[...].astype(_F32)
+    return self.alpha_min + (1.0 - self.alpha_min) * jax.nn.sigmoid(logit)
+
+  def modes(self):
+    """(rates, weights) [H, M] float32; rates already times exp(log_timescale)."""
+    log_timescale = self.log_timescale[...].astype(_F32)
+    if not self.learn_timescale:
+      log_timescale = jax.lax.stop_gradient(log_timescale)
+    if self.mamba2:
+      return jnp.exp(log_timescale)[:, None], jnp.ones((self.num_heads, 1), _F32)
+    rates, weights = frac_ops.soe_modes(self.alpha(), num_modes=self.num_modes,
+                                        context=self.context)
+    return rates * jnp.exp(log_timescale)[:, None], weights
+
+  def _project(self, x):
+    """x [..., d] -> (z [..., d_in], xbc [..., d_in + 2N] before the conv, dt_raw [..., H])."""
+    dtype = self.dtype or x.dtype
+    proj = x.astype(dtype) @ self.in_proj[...].astype(dtype)
+    d_inner = self.num_heads * self.head_dim
+    z, xbc, dt_raw = jnp.split(proj, [d_inner, 2 * d_inner + 2 * self.state_dim], axis=-1)
+    return z, xbc, dt_raw
+
+  def _conv(self, window):
+    """Causal depthwise conv + silu: window [B, n + W - 1, D] -> [B, n, D]."""
+    w = self.conv_weight[...].astype(window.dtype)
+    width, n = w.shape[0], window.shape[1] - w.shape[0] + 1
+    out = sum(window[:, k:k + n] * w[k] for k in range(width))
+    return jax.nn.silu(out + self.conv_bias[...].astype(window.dtype))
+
+  def _scan_inputs(self, xbc, dt_raw):
+    """-> x [..., H, P], dt [..., H] float32, b, c [..., H, N] (shared by the heads)."""
+    d_inner, n, h = self.num_heads * self.head_dim, self.state_dim, self.num_heads
+    xs, b, c = jnp.split(xbc, [d_inner, d_inner + n], axis=-1)
+    xs = xs.reshape(*xs.shape[:-1], h, self.head_dim)
+    b, c = (jnp.broadcast_to(v[..., None, :], (*v.shape[:-1], h, n)) for v in (b, c))
+    dt = jax.nn.softplus(dt_raw.astype(_F32) + self.dt_bias[...].astype(_F32))
+    return xs, dt, b, c
+
+  def _output(self, y, xs, z):
+    """D skip, gated RMSNorm (of y * silu(z)), out_proj: y, xs [..., H, P], z [..., d_in]."""
+    y = y.astype(_F32) + self.skip[...].astype(_F32)[:, None] * xs.astype(_F32)
+    y = y.reshape(z.shape) * jax.nn.silu(z.astype(_F32))
+    y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
+    y = (y * self.norm_gain[...].astype(_F32)).astype(z.dtype)
+    return y @ self.out_proj[...].astype(z.dtype)
+
+  # --------------------------------------------------------------------------- API
+
+  def __call__(self, x):
+    """x [B, L, d] -> [B, L, d]."""
+    if x.ndim != 3 or x.shape[-1] != self.in_proj.shape[0]:
+      raise ValueError(f"FRACMixer: `x` must be [B, L, {self.in_proj.shape[0]}], got {x.shape}")
+    z, xbc, dt_raw = self._project(x)
+    width = self.conv_weight.shape[0]
+    xbc = self._conv(jnp.pad(xbc, ((0, 0), (width - 1, 0), (0, 0))))
+    xs, dt, b, c = self._scan_inputs(xbc, dt_raw)
+    rates, weights = self.modes()
+    if self.impl == "pallas":
+      y, _ = frac_kernel.frac_scan(xs, dt, b, c, rates, weights, chunk=self.chunk)
+    elif self.impl == "xla":
+      y, _ = frac_ops.frac_scan(xs, dt, b, c, rates, weights, chunk=self.chunk or 64)
+    else:
+      y, _ = frac_ops.frac_scan_reference(xs, dt, b, c, rates, weights)
+    return self._output(y, xs, z)
+
+  def init_cache(self, batch: int, dtype=None):
+    """Decoding cache: the conv window [B, W - 1, d_in + 2N] and the state [B, H, M, N, P]."""
+    conv_dim = self.conv_weight.shape[1]
+    dtype = dtype or self.dtype or self.in_proj[...].dtype
+    return {
+        "conv": jnp.zeros((batch, self.conv_weight.shape[0] - 1, conv_dim), dtype),
+        "state": jnp.zeros((batch, self.num_heads, self.num_modes, self.state_dim,
+                            self.head_dim), _F32),
+    }
+
+  def step(self, x_t, cache):
+    """One token: x_t [B, d] -> (y_t [B, d], cache); equals __call__ token by token."""
+    if x_t.ndim != 2 or x_t.shape[-1] != self.in_proj.shape[0]:
+      raise ValueError(f"FRACMixer.step: `x_t` must be [B, {self.in_proj.shape[0]}],"
+                       f" got {x_t.shape}")
+    z, xbc, dt_raw = self._project(x_t)
+    window = jnp.concatenate([cache["conv"].astype(xbc.dtype), xbc[:, None]], axis=1)
+    xs, dt, b, c = self._scan_inputs(self._conv(window)[:, 0], dt_raw)
+    y, state = frac_ops.frac_step(cache["state"], xs, dt, b, c, *self.modes())
+    return self._output(y, xs, z), {"conv": window[:, 1:].astype(cache["conv"].dtype),
+                                    "state": state}
