@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -42,9 +40,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jaxops.flash_ffn import check_mhffn_inputs
+from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
 
 _F32 = jnp.float32
-Backend = Literal["mosaic", "triton"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -486,39 +484,9 @@ def _backward(backend: Backend, interpret, blocks: BlockSizes, q, r, k, u, v, ds
 # Dispatch and autodiff.
 # ----------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-  backend: Backend | None  # None: pick per platform
-  interpret: object  # None (interpret on CPU only), False, True or pltpu.InterpretParams
-  blocks: dict  # BlockSizes overrides, as a sorted tuple of items
-
-  def blocks_for(self, backend: Backend) -> BlockSizes:
-    return dataclasses.replace(BlockSizes.for_backend(backend), **dict(self.blocks))
-
-
-def _dispatch(fn, cfg: _Config, *args):
-  """Runs fn(backend, interpret, blocks, *args) on the lowering the platform calls for."""
-  if cfg.interpret:
-    backend = cfg.backend or "mosaic"
-    return fn(backend, cfg.interpret, cfg.blocks_for(backend), *args)
-  branch = lambda backend, interpret: functools.partial(
-      fn, backend, interpret, cfg.blocks_for(backend))
-
-  def no_kernel(*_):
-    raise ValueError("mhffn: no compiled Pallas lowering for this platform; pass interpret=True")
-
-  default = branch(cfg.backend or "mosaic", True) if cfg.interpret is None else no_kernel
-  if cfg.backend is not None:
-    return jax.lax.platform_dependent(*args, default=default,
-                                      **{"tpu" if cfg.backend == "mosaic" else "cuda":
-                                         branch(cfg.backend, False)})
-  return jax.lax.platform_dependent(*args, tpu=branch("mosaic", False),
-                                    cuda=branch("triton", False), default=default)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _mhffn(q, r, k, u, v, cfg: _Config):
-  return _dispatch(_forward, cfg, q, r, k, u, v)
+def _mhffn(q, r, k, u, v, cfg: KernelConfig):
+  return dispatch(_forward, cfg, q, r, k, u, v)
 
 
 def _mhffn_fwd(q, r, k, u, v, cfg):
@@ -526,7 +494,7 @@ def _mhffn_fwd(q, r, k, u, v, cfg):
 
 
 def _mhffn_bwd(cfg, residuals, ds):
-  return _dispatch(_backward, cfg, *residuals, ds)
+  return dispatch(_backward, cfg, *residuals, ds)
 
 
 _mhffn.defvjp(_mhffn_fwd, _mhffn_bwd)
@@ -549,10 +517,6 @@ def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **bl
     o: [B, L, H, d_h] in q.dtype; matmuls in the input dtype with float32 accumulation.
   """
   check_mhffn_inputs(q, r, k, u, v)
-  unknown = set(block_sizes) - {f.name for f in dataclasses.fields(BlockSizes)}
-  if unknown:
-    raise ValueError(f"mhffn: unknown block size(s) {sorted(unknown)}; see BlockSizes")
-  if backend not in (None, "mosaic", "triton"):
-    raise ValueError(f"mhffn: `backend` must be None, 'mosaic' or 'triton', got {backend!r}")
-  cfg = _Config(backend, interpret, tuple(sorted(block_sizes.items())))
+  cfg = KernelConfig.make("mhffn", BlockSizes, backend=backend, interpret=interpret,
+                          block_sizes=block_sizes)
   return _mhffn(q, r, k, u, v, cfg)
