@@ -4,9 +4,9 @@ Math and shapes: `jaxops.pack3d` (the reference this kernel is tested against). 
 are scattered into the cube-major layout of `jaxops.pack3d.cube_layout` (a cube is a
 contiguous slab of T slots, empty slots masked), the summaries kbar, vbar are
 precomputed in XLA (`cube_summaries`), and one program per (batch, head, query cube a)
-runs ONE online softmax over two key streams::
+runs ONE online softmax over two key streams (MASK = -1e30, a finite -inf)::
 
-  m, l, acc = -inf, 0, 0                            # [T, 1], [T, 1], [T, D] float32
+  m, l, acc = MASK, 0, 0                            # [T, 1], [T, 1], [T, D] float32
   for c in neighbours(a):  s = q K_c^T / sqrt(D) + mask_c      (<= (2r+1)^3 cubes)
   for summary block S:     s = q Kbar_S^T / sqrt(D) + bias[a, S]  (log n_b on far cubes)
       m' = max(m, rowmax s) ; l = e^{m-m'} l + rowsum e^{s-m'} ; acc = e^{m-m'} acc + e^{s-m'} V
