@@ -29,7 +29,7 @@ Two lowerings of the same tile math:
   whole, then over summary blocks. Triton needs power-of-two blocks: D is zero-padded.
 
 `pack3d_attention` is the one public entry point; it dispatches with
-`jax.lax.platform_dependent` (Mosaic on TPU, Triton on GPU, interpret mode on CPU).
+`pallas_kernels.dispatch` (Mosaic on TPU, Triton on GPU, interpret mode on CPU).
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -46,9 +44,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jaxops.pack3d import MASK, check_pack3d_inputs, cube_layout, cube_summaries
+from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
 
 _F32 = jnp.float32
-Backend = Literal["mosaic", "triton"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -575,49 +573,18 @@ def _backward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vb
 # Dispatch and autodiff.
 # ----------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-  backend: Backend | None  # None: pick per platform
-  interpret: object  # None (interpret on CPU only), False, True or pltpu.InterpretParams
-  blocks: tuple  # BlockSizes overrides, as a sorted tuple of items
-
-  def blocks_for(self, backend: Backend) -> BlockSizes:
-    return dataclasses.replace(BlockSizes.for_backend(backend), **dict(self.blocks))
-
-
-def _dispatch(fn, cfg: _Config, *args):
-  """Runs fn(backend, interpret, blocks, *args) on the lowering the platform calls for."""
-  if cfg.interpret:
-    backend = cfg.backend or "mosaic"
-    return fn(backend, cfg.interpret, cfg.blocks_for(backend), *args)
-  branch = lambda backend, interpret: functools.partial(
-      fn, backend, interpret, cfg.blocks_for(backend))
-
-  def no_kernel(*_):
-    raise ValueError("pack3d_attention: no compiled Pallas lowering for this platform;"
-                     " pass interpret=True")
-
-  default = branch(cfg.backend or "mosaic", True) if cfg.interpret is None else no_kernel
-  if cfg.backend is not None:
-    platform = "tpu" if cfg.backend == "mosaic" else "cuda"
-    return jax.lax.platform_dependent(*args, default=default,
-                                      **{platform: branch(cfg.backend, False)})
-  return jax.lax.platform_dependent(*args, tpu=branch("mosaic", False),
-                                    cuda=branch("triton", False), default=default)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attend(q, k, v, kbar, vbar, tables, cfg: _Config):
-  return _dispatch(_forward, cfg, q, k, v, kbar, vbar, tables)[0]
+def _attend(q, k, v, kbar, vbar, tables, cfg: KernelConfig):
+  return dispatch(_forward, cfg, q, k, v, kbar, vbar, tables)[0]
 
 
 def _attend_fwd(q, k, v, kbar, vbar, tables, cfg):
-  o, lse = _dispatch(_forward, cfg, q, k, v, kbar, vbar, tables)
+  o, lse = dispatch(_forward, cfg, q, k, v, kbar, vbar, tables)
   return o, (q, k, v, kbar, vbar, tables, o, lse)
 
 
 def _attend_bwd(cfg, residuals, do):
-  grads = _dispatch(_backward, cfg, *residuals, do)
+  grads = dispatch(_backward, cfg, *residuals, do)
   return (*grads, None)
 
 
@@ -645,12 +612,8 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     o [B, N, H, D] in q.dtype; matmuls in the input dtype, softmax in float32.
   """
   check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks)
-  unknown = set(block_sizes) - {f.name for f in dataclasses.fields(BlockSizes)}
-  if unknown:
-    raise ValueError(f"pack3d_attention: unknown block size(s) {sorted(unknown)}; see BlockSizes")
-  if backend not in (None, "mosaic", "triton"):
-    raise ValueError(f"pack3d_attention: `backend` must be None, 'mosaic' or 'triton',"
-                     f" got {backend!r}")
+  cfg = KernelConfig.make("pack3d_attention", BlockSizes, backend=backend, interpret=interpret,
+                          block_sizes=block_sizes)
   layout = cube_layout(coords, field_ids, block_shape=block_shape, radius_blocks=radius_blocks,
                        max_cubes=max_cubes, slots_per_cube=_pow2(math.prod(block_shape)))
   q_c, k_c, v_c = (layout.to_cubes(x) for x in (q, k, v))        # [B, C, T, H, D]
@@ -661,7 +624,6 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   tables = _Tables(key_bias=jnp.where(layout.key_valid(), 0.0, MASK)[:, :, None, :],
                    far_bias=layout.far_bias(block_bias)[:, :, None, :],
                    neighbours=layout.neighbours, num_neighbours=layout.num_neighbours)
-  cfg = _Config(backend, interpret, tuple(sorted(block_sizes.items())))
   o = _attend(to_heads(q_c), to_heads(k_c), to_heads(v_c), summaries(kbar), summaries(vbar),
               tables, cfg)
   o_c = jnp.moveaxis(o.reshape(batch, heads, cubes, t, d), 1, 3)
