@@ -31,7 +31,10 @@ Static structure: under `jit` the number of cubes C must be static. Concrete
 coords/field_ids (numpy, or jax arrays closed over by the jitted function) give the
 exact cube structure at trace time; traced ones use the static `max_cubes` (default
 `default_max_cubes(N, block_shape)`) and mask the unused slots. Both give the same
-result; only the cost differs. Coordinates must be unique within a field.
+result; only the cost differs. Coordinates must be unique within a field. With traced
+coords, too many cubes or negative coords stop the run with an error raised from a host
+callback (`jax.debug.callback`); such a function cannot be serialized with `jax.export`
+(export with concrete coords).
 """
 
 from __future__ import annotations
