@@ -1,0 +1,85 @@
+"""FRAC on a GPU: compiled Triton scan kernel vs the reference, and its time vs the XLA path.
+
+Run by benchmarks/gpu_check.sh; prints one line per check, exits non-zero on a mismatch.
+  python -m benchmarks.gpu_frac
+On a machine without a GPU the kernel runs interpreted at a tiny size (a smoke test).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import wall_seconds
+from jaxops import frac as ops
+from pallas_kernels import frac_scan as kernel
+
+ON_GPU = jax.default_backend() == "gpu"
+HEADS, P, N, M = 4, 64, 16, 16
+ARGNAMES = ("x", "dt", "b", "c", "rates", "weights", "initial_state")
+
+
+def inputs(length: int, dtype, batch: int = 1):
+  ks = jax.random.split(jax.random.key(0), 5)
+  x = jax.random.normal(ks[0], (batch, length, HEADS, P)).astype(dtype)
+  dt = jax.nn.softplus(jax.random.normal(ks[1], (batch, length, HEADS)))
+  b, c = (0.25 * jax.random.normal(ks[2], (2, batch, length, HEADS, N))).astype(dtype)
+  rates, weights = ops.soe_modes(jnp.linspace(0.2, 0.9, HEADS), num_modes=M, context=length)
+  state = 0.1 * jax.random.normal(ks[4], (batch, HEADS, M, N, P))
+  return x, dt, b, c, rates, weights, state
+
+
+def _loss(op, *args):
+  y, state = op(*args)
+  return jnp.sum(jnp.sin(y.astype(jnp.float32))) + jnp.sum(jnp.cos(state))
+
+
+def check(dtype, length: int, tol: float) -> bool:
+  """Outputs and all seven gradients of the kernel against the float32 reference."""
+  args = inputs(length, dtype)
+  run = lambda op: jax.jit(lambda *a: (op(*a), jax.grad(functools.partial(_loss, op),
+                                                        argnums=tuple(range(7)))(*a)))
+  fast = run(functools.partial(kernel.frac_scan, interpret=None if ON_GPU else True))(*args)
+  ref = run(ops.frac_scan_reference)(*(a.astype(jnp.float32) for a in args))
+  names = ("y", "state") + tuple(f"d{n}" for n in ARGNAMES)
+  ok = True
+  for name, a, a_ref in zip(names, jax.tree.leaves(fast), jax.tree.leaves(ref)):
+    err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - a_ref)) / jnp.max(jnp.abs(a_ref)))
+    ok &= err <= tol
+    print(f"  {jnp.dtype(dtype).name} L={length} {name}: rel. max error {err:.2e} "
+          f"({'ok' if err <= tol else 'FAIL'})", flush=True)
+  return ok
+
+
+def timing(length: int, dtype, batch: int) -> None:
+  args = inputs(length, dtype, batch)[:6]
+  paths = {"Triton kernel": kernel.frac_scan, "XLA chunked": ops.frac_scan}
+  times = {}
+  for name, op in paths.items():
+    fwd = lambda *a, op=op: op(*a)[0]
+    step = jax.grad(lambda *a, op=op: jnp.sum(op(*a)[0].astype(jnp.float32) ** 2),
+                    argnums=tuple(range(6)))
+    times[name] = (wall_seconds(fwd, *args, repeats=10), wall_seconds(step, *args, repeats=10))
+  base = times["XLA chunked"]
+  for name, (fwd_s, step_s) in times.items():
+    print(f"  B={batch} L={length} {jnp.dtype(dtype).name} {name:14s} fwd {fwd_s * 1e3:7.2f} ms"
+          f"  fwd+bwd {step_s * 1e3:7.2f} ms  (XLA/this: fwd {base[0] / fwd_s:.2f}x,"
+          f" fwd+bwd {base[1] / step_s:.2f}x)", flush=True)
+
+
+def main() -> int:
+  print(f"FRAC scan, H={HEADS} P={P} N={N} M={M}, devices: {jax.devices()}")
+  if not ON_GPU:  # smoke test of this script: interpreted kernel, tiny size
+    return 0 if check(jnp.float32, 40, 1e-4) else 1
+  # Triton dots on float32 inputs run as IEEE float32 (precision=HIGHEST in the tile math).
+  ok = check(jnp.float32, 1000, 1e-3) & check(jnp.bfloat16, 2048, 5e-2)
+  for length in (4096, 16384):
+    timing(length, jnp.bfloat16, batch=8)
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
