@@ -165,7 +165,8 @@ class FRACMixer(nnx.Module):
     xs, dt, b, c = self._scan_inputs(xbc, dt_raw)
     rates, weights = self.modes()
     if self.impl == "pallas":
-      y, _ = frac_kernel.frac_scan(xs, dt, b, c, rates, weights, chunk=self.chunk)
+      blocks = {} if self.chunk is None else {"chunk": self.chunk}
+      y, _ = frac_kernel.frac_scan(xs, dt, b, c, rates, weights, **blocks)
     elif self.impl == "xla":
       y, _ = frac_ops.frac_scan(xs, dt, b, c, rates, weights, chunk=self.chunk or 64)
     else:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -37,21 +36,23 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxops.frac import check_scan_inputs, scan_vjp, zero_state
 from jaxops.frac_chunk import Modes, TileLayout, chunk_backward, chunk_forward
+from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
 
 _F32 = jnp.float32
-Backend = Literal["mosaic", "triton"]
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """`chunk`: tokens per chunk (rounded to a power of two >= 16, at most the padded L)."""
+  """`chunk`: tokens per chunk (rounded to a power of two >= 16, at most the padded L).
+
+  Both lowerings share one tile layout, hence one chunk size.
+  """
 
   chunk: int = 64
 
   @classmethod
   def for_backend(cls, backend: Backend) -> "BlockSizes":
-    if backend == "mosaic":  # one MXU-wide chunk
-      return cls(chunk=128)
+    del backend  # one layout for both
     return cls()
 
 
@@ -280,27 +281,14 @@ _KERNELS = {
 }
 
 
-def _dispatch(which: int, layout: TileLayout, backend, interpret, *args, **kwargs):
-  """Runs the forward (which=0) or backward (1) kernel on the lowering the platform calls for.
-
-  backend None picks per platform; interpret None interprets on CPU only.
-  """
-  run = lambda b, interp: functools.partial(_KERNELS[b][which], layout, interp, **kwargs)
-  if interpret:
-    return run(backend or "mosaic", interpret)(*args)
-
-  def no_kernel(*_):
-    raise ValueError("frac_scan: no compiled Pallas lowering for this platform;"
-                     " pass interpret=True")
-
-  default = run(backend or "mosaic", True) if interpret is None else no_kernel
-  platforms = {"tpu": "mosaic", "cuda": "triton"}
-  branches = {p: run(b, False) for p, b in platforms.items() if backend in (None, b)}
-  return jax.lax.platform_dependent(*args, default=default, **branches)
+def _run(which: int, layout: TileLayout, backend: Backend, interpret, _blocks, *args,
+         **kwargs):
+  """The forward (which=0) or backward (1) kernel of `backend` (`dispatch` signature)."""
+  return _KERNELS[backend][which](layout, interpret, *args, **kwargs)
 
 
 def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, interpret=None,
-              backend: Backend | None = None, chunk: int | None = None):
+              backend: Backend | None = None, **block_sizes):
   """Chunked multi-mode scan as a Pallas kernel; arguments and result as
   `jaxops.frac.frac_scan_reference`, differentiable in every float input.
 
@@ -311,20 +299,19 @@ def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, interpret=None
       True (or a `pltpu.InterpretParams`) interprets everywhere; False never interprets.
     backend: force one lowering ("mosaic" or "triton"); with `interpret` this runs that
       kernel body on CPU.
-    chunk: tokens per chunk (a power of two >= 16); None: `BlockSizes.for_backend`
-      (of the forced backend, else Mosaic's).
+    **block_sizes: overrides of `BlockSizes` fields (chunk).
 
   Returns:
     (y [Bt, L, H, P] in x.dtype, final state [Bt, H, M, N, P] float32).
   """
   check_scan_inputs(x, dt, b, c, rates, weights, initial_state)
-  if backend not in (None, "mosaic", "triton"):
-    raise ValueError(f"frac_scan: `backend` must be None, 'mosaic' or 'triton', got {backend!r}")
-  chunk = chunk or BlockSizes.for_backend(backend or "mosaic").chunk
+  cfg = KernelConfig.make("frac_scan", BlockSizes, backend=backend, interpret=interpret,
+                          block_sizes=block_sizes)
+  chunk = cfg.blocks_for(backend or "mosaic").chunk
   if chunk <= 0:
     raise ValueError(f"frac_scan: `chunk` must be positive, got {chunk}")
   state = zero_state(x, b, rates) if initial_state is None else initial_state
   layout = TileLayout.make(x, b, rates, chunk=chunk, pow2=True)
-  scan = scan_vjp(layout, functools.partial(_dispatch, 0, layout, backend, interpret),
-                  functools.partial(_dispatch, 1, layout, backend, interpret))
-  return scan(x, dt, b, c, rates, weights, state)
+  forward = lambda *a, **kw: dispatch(functools.partial(_run, 0, layout, **kw), cfg, *a)
+  backward = lambda *a: dispatch(functools.partial(_run, 1, layout), cfg, *a)
+  return scan_vjp(layout, forward, backward)(x, dt, b, c, rates, weights, state)

@@ -151,3 +151,8 @@ def test_no_races_and_no_uninitialized_reads():
 def test_bad_inputs_name_the_argument(op, bad, match):
   with pytest.raises(ValueError, match=match):
     op(*bad(*make_inputs(shape=(1, 5, 2, 4, 3, 2))))
+
+
+def test_unknown_block_size_is_an_error():
+  with pytest.raises(ValueError, match="block_q"):
+    kernel.frac_scan(*make_inputs(shape=(1, 5, 2, 4, 3, 2)), block_q=8)
