@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -40,6 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jaxops.flash_ffn import check_mhffn_inputs
+from jaxops.tiling import dot, dot_nt, dot_tn, next_pow2, round_up
 from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
 
 _F32 = jnp.float32
@@ -67,20 +69,6 @@ class BlockSizes:
 # Tile math shared by every kernel and both lowerings.
 # ----------------------------------------------------------------------------
 
-def _dot_nt(a, b):
-  """a @ b^T with float32 accumulation."""
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-
-
-def _dot_tn(a, b):
-  """a^T @ b with float32 accumulation."""
-  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
-
-
-def _dot(a, b):
-  return jnp.dot(a, b, preferred_element_type=_F32)
-
-
 def _column(r, e):
   """r[:, e:e+1] for a traced e, as a masked row sum (works in Mosaic and Triton)."""
   cols = jax.lax.broadcasted_iota(jnp.int32, r.shape, 1)
@@ -94,20 +82,20 @@ def _onehot_row(e, shape):
 
 def _tile_forward(q, r_e, k, u, v):
   """Contribution of one (expert, d_e tile) to the output: [block_q, d_h] f32."""
-  m = _dot_nt(q, k)
-  n = _dot_nt(q, u)
+  m = dot_nt(q, k)
+  n = dot_nt(q, u)
   a = m * jax.nn.sigmoid(m) * n * r_e
-  return _dot(a.astype(v.dtype), v)
+  return dot(a.astype(v.dtype), v)
 
 
 def _tile_backward(q, r_e, ds, k, u, v):
   """Recomputes one tile; returns (a, da, dm, dn), all [block_q, block_inter] f32."""
-  m = _dot_nt(q, k)
-  n = _dot_nt(q, u)
+  m = dot_nt(q, k)
+  n = dot_nt(q, u)
   sig = jax.nn.sigmoid(m)
   silu = m * sig
   a = silu * n
-  da = _dot_nt(ds, v)
+  da = dot_nt(ds, v)
   g = r_e * da
   dm = g * n * sig * (1.0 + m * (1.0 - sig))
   dn = g * silu
@@ -116,16 +104,16 @@ def _tile_backward(q, r_e, ds, k, u, v):
 
 def _tile_dq_dr(q, r_e, ds, k, u, v):
   a, da, dm, dn = _tile_backward(q, r_e, ds, k, u, v)
-  dq = _dot(dm.astype(k.dtype), k) + _dot(dn.astype(u.dtype), u)
+  dq = dot(dm.astype(k.dtype), k) + dot(dn.astype(u.dtype), u)
   dr_e = jnp.sum(da * a, axis=1, keepdims=True)
   return dq, dr_e
 
 
 def _tile_dkuv(q, r_e, ds, k, u, v):
   a, _, dm, dn = _tile_backward(q, r_e, ds, k, u, v)
-  dk = _dot_tn(dm.astype(q.dtype), q)
-  du = _dot_tn(dn.astype(q.dtype), q)
-  dv = _dot_tn((r_e * a).astype(ds.dtype), ds)
+  dk = dot_tn(dm.astype(q.dtype), q)
+  du = dot_tn(dn.astype(q.dtype), q)
+  dv = dot_tn((r_e * a).astype(ds.dtype), ds)
   return dk, du, dv
 
 
@@ -137,13 +125,6 @@ def _tile_dkuv(q, r_e, ds, k, u, v):
 # [H, T, E] (E is small), tables stay [H, E, d_e, d_h]. Inside the kernels every
 # block is 2-D: leading block dims are squeezed (None).
 # ----------------------------------------------------------------------------
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def _pow2(x: int, minimum: int = 16) -> int:
-  return max(minimum, 1 << max(0, x - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,20 +145,20 @@ class _Plan:
     experts, d_e = k.shape[1:3]
     tokens = batch * length
     if backend == "triton":  # power-of-two tiles, >= 16 for tl.dot
-      fit_tok = lambda b: min(b, _pow2(tokens))
-      bi = min(blocks.block_inter, _pow2(d_e))
-      padded_d_h, experts = _pow2(d_h), _pow2(experts, minimum=1)
+      fit_tok = lambda b: min(b, next_pow2(tokens))
+      bi = min(blocks.block_inter, next_pow2(d_e))
+      padded_d_h, experts = next_pow2(d_h), next_pow2(experts, minimum=1)
       flat = padded_d_h == d_h
     else:  # Mosaic: second-minor block dims multiples of 8, minor ones of 128
-      fit_tok = lambda b: min(b, _round_up(tokens, 8))
+      fit_tok = lambda b: min(b, round_up(tokens, 8))
       bi = min(blocks.block_inter, d_e)
       padded_d_h, flat = d_h, d_h % 128 == 0 or heads == 1
     bq, bk = fit_tok(blocks.block_q), fit_tok(blocks.block_q_dkv)
     tile = max(bq, bk)
     if tile % bq or tile % bk:
       raise ValueError(f"block_q ({bq}) and block_q_dkv ({bk}) must divide one another")
-    return cls(BlockSizes(bq, bi, bk), heads, _round_up(tokens, tile), padded_d_h, experts,
-               _round_up(d_e, bi), flat)
+    return cls(BlockSizes(bq, bi, bk), heads, round_up(tokens, tile), padded_d_h, experts,
+               round_up(d_e, bi), flat)
 
   # Array layout in and out of the kernels.
 

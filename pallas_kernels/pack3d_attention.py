@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -44,6 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jaxops.pack3d import MASK, check_pack3d_inputs, cube_layout, cube_summaries
+from jaxops.tiling import dot, dot_nt, dot_tn, next_pow2, round_up
 from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
 
 _F32 = jnp.float32
@@ -63,33 +65,13 @@ class BlockSizes:
     return cls(block_summaries=64) if backend == "triton" else cls()
 
 
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def _pow2(x: int, minimum: int = 16) -> int:
-  return max(minimum, 1 << max(0, x - 1).bit_length())
-
-
 # ----------------------------------------------------------------------------
 # Tile math shared by every kernel and both lowerings. q, do [T, D]; k, v [Tk, D];
 # bias [1, Tk] (0 or log n_b for keys, MASK for masked ones); lse, delta [T, 1].
 # ----------------------------------------------------------------------------
 
-def _dot_nt(a, b):
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-
-
-def _dot_tn(a, b):
-  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
-
-
-def _dot(a, b):
-  return jnp.dot(a, b, preferred_element_type=_F32)
-
-
 def _scores(q, k, bias, scale):
-  return _dot_nt(q, k) * scale + bias
+  return dot_nt(q, k) * scale + bias
 
 
 def _softmax_step(carry, q, k, v, bias, scale):
@@ -99,7 +81,7 @@ def _softmax_step(carry, q, k, v, bias, scale):
   m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
   alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
   return (m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True),
-          alpha * acc + _dot(p.astype(v.dtype), v))
+          alpha * acc + dot(p.astype(v.dtype), v))
 
 
 def _init_state(t, d):
@@ -113,17 +95,17 @@ def _finish(m, l, acc):
 def _probs_and_dscores(q, k, v, bias, do, lse, delta, scale):
   """p = e^{s - lse} and ds = p (do v^T - delta), both [T, Tk] float32."""
   p = jnp.exp(_scores(q, k, bias, scale) - lse)
-  return p, p * (_dot_nt(do, v) - delta)
+  return p, p * (dot_nt(do, v) - delta)
 
 
 def _dq_step(q, k, v, bias, do, lse, delta, scale):
   _, ds = _probs_and_dscores(q, k, v, bias, do, lse, delta, scale)
-  return _dot(ds.astype(k.dtype), k) * scale
+  return dot(ds.astype(k.dtype), k) * scale
 
 
 def _dkv_step(q, k, v, bias, do, lse, delta, scale):
   p, ds = _probs_and_dscores(q, k, v, bias, do, lse, delta, scale)
-  return _dot_tn(ds.astype(q.dtype), q) * scale, _dot_tn(p.astype(do.dtype), do)
+  return dot_tn(ds.astype(q.dtype), q) * scale, dot_tn(p.astype(do.dtype), do)
 
 
 # ----------------------------------------------------------------------------
@@ -526,13 +508,13 @@ def _plan(backend: Backend, blocks: BlockSizes, q, tables: _Tables) -> _Shape:
   batch, heads, _, d = q.shape
   cubes, _, t = tables.key_bias.shape[1:]
   if backend == "triton":  # power-of-two tiles, >= 16 for tl.dot
-    s = min(blocks.block_summaries, _pow2(cubes))
-    d_pad = _pow2(d)
+    s = min(blocks.block_summaries, next_pow2(cubes))
+    d_pad = next_pow2(d)
   else:  # Mosaic: S a multiple of 128 (lane axis of far_bias) or all summaries at once
-    s = min(blocks.block_summaries, _round_up(cubes, 8))
+    s = min(blocks.block_summaries, round_up(cubes, 8))
     d_pad = d
   return _Shape(batch, heads, cubes, t, d_pad, tables.neighbours.shape[2], s,
-                _round_up(cubes, s), 1.0 / math.sqrt(d))
+                round_up(cubes, s), 1.0 / math.sqrt(d))
 
 
 def _pad_d(x, shape: _Shape):
@@ -615,7 +597,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   cfg = KernelConfig.make("pack3d_attention", BlockSizes, backend=backend, interpret=interpret,
                           block_sizes=block_sizes)
   layout = cube_layout(coords, field_ids, block_shape=block_shape, radius_blocks=radius_blocks,
-                       max_cubes=max_cubes, slots_per_cube=_pow2(math.prod(block_shape)))
+                       max_cubes=max_cubes, slots_per_cube=next_pow2(math.prod(block_shape)))
   q_c, k_c, v_c = (layout.to_cubes(x) for x in (q, k, v))        # [B, C, T, H, D]
   kbar, vbar = cube_summaries(layout, k_c, v_c, coords, summary_rope)
   batch, cubes, t, heads, d = q_c.shape
