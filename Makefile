@@ -21,7 +21,7 @@ test-slow: setup
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m slow
 
 demo: setup
-	JAX_PLATFORMS=cpu $(PY) -m train.flash_ffn_demo
+	JAX_PLATFORMS=cpu $(PY) -m train.train_lm --config=configs/lm_default.py --workdir=runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 bench: setup
 	JAX_PLATFORMS=cpu $(PY) -m benchmarks.flash_ffn_memory

@@ -21,9 +21,11 @@ def get_config():
   c.optim = ml_collections.ConfigDict({
       "lr": 3e-3, "warmup_steps": 5, "min_lr_ratio": 0.1, "weight_decay": 0.1,
       "b1": 0.9, "b2": 0.95, "clip_norm": 1.0})
-  c.data = ml_collections.ConfigDict({"path": "", "max_bytes": 1_000_000, "val_fraction": 0.05})
+  c.data = ml_collections.ConfigDict({
+      "kind": "text", "path": "", "max_bytes": 1_000_000, "val_fraction": 0.05,
+      "vocab": 256, "options": {}})    # vocab, options: for the synthetic kinds
   c.model = ml_collections.ConfigDict({
-      "d_model": 32, "num_layers": 2, "num_heads": 2, "context": 32,
+      "vocab_size": 256, "d_model": 32, "num_layers": 2, "num_heads": 2, "context": 32,
       "mixer": "attention", "ffn": "swiglu",
       "mixer_options": {}, "ffn_options": {"d_ff": 64}, "impl": "auto"})
   c.sample = ml_collections.ConfigDict({"prompt": "def ", "num_tokens": 16, "temperature": 0.0})

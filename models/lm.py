@@ -1,7 +1,7 @@
 """Byte/char-level decoder LanguageModel with a choice of sequence mixer and FFN.
 
 tokens [B, L] int -> embedding [B, L, d] -> N blocks -> RMSNorm -> head -> logits [B, L, V] (f32).
-Block (pre-norm):  x = x + mixer(RMSNorm(x));  x = x + ffn(RMSNorm(x)).
+Block (pre-norm, models.block):  x = x + mixer(RMSNorm(x));  x = x + ffn(RMSNorm(x)).
   mixer: "attention" (causal MHA + 1D RoPE, KV cache), "frac" (FRAC, bounded state),
          "mamba2" (FRAC with alpha = 1 and one mode: the Mamba-2 baseline).
   ffn:   "swiglu" or "flashffn".
@@ -18,12 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import CausalAttention
-from models.flash_ffn import FlashFFN, SwiGLU
+from models.block import FFNS, Block, make_ffn
 from models.norm import RMSNorm
-from models.partitioning import constrain, shard_layer
+from models.partitioning import constrain
 
 MIXERS = ("attention", "frac", "mamba2")
-FFNS = ("swiglu", "flashffn")
 IMPLS = ("pallas", "xla", "reference")
 
 
@@ -35,38 +34,6 @@ def make_mixer(kind: str, d_model: int, num_heads: int, *, context: int, impl: s
   from models.frac import FRACMixer  # noqa: PLC0415  (lazy: FRAC lives in its own module)
   return FRACMixer(d_model, num_heads=num_heads, context=context, impl=impl, dtype=dtype,
                    mamba2=kind == "mamba2", rngs=rngs, **options)
-
-
-def make_ffn(kind: str, d_model: int, num_heads: int, *, impl: str, dtype, options: dict,
-             rngs: nnx.Rngs) -> nnx.Module:
-  """The FFN `kind` (one of FFNS): SwiGLU(d_model, **options) or FlashFFN(d_model, **options)."""
-  if kind == "swiglu":
-    return SwiGLU(d_model, dtype=dtype, rngs=rngs, **options)
-  return FlashFFN(d_model, **{"num_heads": num_heads, "impl": impl, **options}, dtype=dtype,
-                  rngs=rngs)
-
-
-class Block(nnx.Module):
-  """x + mixer(norm(x)), then + ffn(norm(.)); Pallas layers run under shard_map (see partitioning)."""
-
-  def __init__(self, mixer: nnx.Module, ffn: nnx.Module, d_model: int, *, pallas_mixer: bool,
-               pallas_ffn: bool):
-    self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
-    self.mixer, self.ffn = mixer, ffn
-    self.pallas_mixer, self.pallas_ffn = pallas_mixer, pallas_ffn
-
-  def __call__(self, x):
-    h = self.norm1(x)
-    x = x + (shard_layer(self.mixer, h) if self.pallas_mixer else self.mixer(h))
-    h = self.norm2(x)
-    x = x + (shard_layer(self.ffn, h, split_seq=True) if self.pallas_ffn else self.ffn(h))
-    return constrain(x, ("batch", "seq", None))
-
-  def step(self, x_t, cache):
-    """x_t [B, d] -> (y_t [B, d], cache)."""
-    h, cache = self.mixer.step(self.norm1(x_t), cache)
-    x_t = x_t + h.astype(x_t.dtype)
-    return x_t + self.ffn(self.norm2(x_t)[:, None])[:, 0], cache
 
 
 class LanguageModel(nnx.Module):

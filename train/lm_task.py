@@ -1,6 +1,12 @@
-"""Byte-level language modelling: config -> Task for the trainer, then a sample at the end.
+"""Language modelling: config -> Task for the trainer, then a sample at the end.
 
-Loss: mean next-byte cross entropy (nats/token) over windows of config.model.context + 1 bytes.
+config.data.kind picks the data:
+  "text"                                 next-byte prediction on windows of a corpus
+                                         (train.data.text; config.data.path, default stdlib)
+  "mqar", "lag_recall", "selective_copy" synthetic recall tasks (train.data.synthetic) with
+                                         config.data.vocab and config.data.options
+Batches are {"inputs", "targets": int [B, L]} (+ "mask" [B, L] for the synthetic tasks);
+loss = mean cross entropy (nats/token) over the (masked) positions, plus accuracy when masked.
 config.model.impl "auto" picks "pallas" on TPU/GPU and "xla" on CPU.
 """
 
@@ -15,7 +21,7 @@ from flax import nnx
 
 from models.lm import LanguageModel
 from train import trainer
-from train.data import text
+from train.data import synthetic, text
 
 
 def resolve_impl(impl: str) -> str:
@@ -24,41 +30,72 @@ def resolve_impl(impl: str) -> str:
   return "pallas" if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm") else "xla"
 
 
-def model_factory(config):
-  """() -> LanguageModel from config.model; ValueError naming config.model if it cannot build.
+def make_model(config) -> LanguageModel:
+  """LanguageModel from config.model; ValueError naming config.model if it cannot be built.
 
   Initialisation draws from the "rbg" PRNG: it compiles ~4x faster than threefry on CPU.
   """
   kwargs = config.model.to_dict()
   kwargs["impl"] = resolve_impl(kwargs["impl"])
-  make = lambda: LanguageModel(**kwargs, dtype=trainer.compute_dtype(config),
-                               rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")))
   try:
-    nnx.eval_shape(make)
+    return LanguageModel(**kwargs, dtype=trainer.compute_dtype(config),
+                         rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")))
   except (ValueError, TypeError, ImportError) as e:
     raise ValueError(f"config.model is invalid: {e}") from e
-  return make
 
 
 def lm_loss(model, batch):
-  """batch {"tokens": int [B, L + 1]} -> (mean cross entropy of tokens[:, 1:], {})."""
-  tokens = batch["tokens"]
-  logits = model(tokens[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), {}
+  """-> (mean cross entropy of targets over the masked positions, {"accuracy"} if masked)."""
+  logits = model(batch["inputs"])
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  if "mask" not in batch:
+    return ce.mean(), {}
+  mask = batch["mask"]
+  count = jnp.maximum(mask.sum(), 1.0)
+  correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+  return (ce * mask).sum() / count, {"accuracy": (correct * mask).sum() / count}
 
 
-def build_task(config) -> trainer.Task:
+def text_batches(config):
+  """(train_batch(step), eval_batch(i)) of next-byte windows."""
   train_bytes, val_bytes = text.split(
       text.load_corpus(config.data.path, max_bytes=config.data.max_bytes),
       config.data.val_fraction)
-  window = functools.partial(text.windows, seed=config.seed, batch=config.batch_size,
-                             length=config.model.context)
-  return trainer.Task(
-      make_model=model_factory(config),
-      loss_fn=lm_loss,
-      train_batch=lambda step: {"tokens": window(train_bytes, stream=text.TRAIN, index=step)},
-      eval_batch=lambda i: {"tokens": window(val_bytes, stream=text.VAL, index=i)},
-      tokens_per_batch=config.batch_size * config.model.context)
+
+  def batch(data, stream, index):
+    w = text.windows(data, seed=config.seed, stream=stream, index=index,
+                     batch=config.batch_size, length=config.model.context)
+    return {"inputs": w[:, :-1], "targets": w[:, 1:]}
+
+  return (functools.partial(batch, train_bytes, text.TRAIN),
+          functools.partial(batch, val_bytes, text.VAL))
+
+
+def synthetic_batches(config):
+  """(train_batch(step), eval_batch(i)) of the synthetic task config.data.kind."""
+  c = config.data
+  if not 0 < c.vocab <= config.model.vocab_size:
+    raise ValueError(f"config.data.vocab ({c.vocab}) must be in [1, config.model.vocab_size]")
+  make = functools.partial(synthetic.TASKS[c.kind], seed=config.seed, batch=config.batch_size,
+                           length=config.model.context, vocab=c.vocab, **c.options)
+  try:
+    make(stream=text.VAL, index=0)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"config.data.options do not fit config.data.kind={c.kind!r}: {e}") from e
+  return (functools.partial(make, stream=text.TRAIN), functools.partial(make, stream=text.VAL))
+
+
+def build_task(config) -> trainer.Task:
+  kinds = ("text",) + tuple(synthetic.TASKS)
+  if config.data.kind not in kinds:
+    raise ValueError(f"config.data.kind must be one of {kinds}, got {config.data.kind!r}")
+  model = make_model(config)
+  batches = text_batches if config.data.kind == "text" else synthetic_batches
+  train_batch, eval_batch = batches(config)
+  return trainer.Task(model=model, loss_fn=lm_loss,
+                      train_batch=lambda step: train_batch(index=step),
+                      eval_batch=lambda i: eval_batch(index=i),
+                      tokens_per_batch=config.batch_size * config.model.context)
 
 
 def sample(model: LanguageModel, config) -> str:

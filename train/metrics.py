@@ -15,6 +15,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 
 class MetricWriter:
@@ -85,16 +86,21 @@ class ProgressBar:
 
 
 def plot_losses(metrics_path: pathlib.Path, png_path: pathlib.Path) -> None:
-  """Train loss (and eval loss where logged) against step, saved as a PNG."""
+  """Train loss (raw and a moving average over ~2% of the run), eval loss, against step (PNG)."""
   import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
   rows = read_metrics(metrics_path)
   fig, ax = plt.subplots(figsize=(7, 4))
-  for key, style in (("loss", "-"), ("eval_loss", "o-")):
-    pts = [(r["step"], r[key]) for r in rows if key in r]
-    if pts:
-      ax.plot(*zip(*pts), style, label=key, markersize=3)
+  steps, loss = zip(*[(r["step"], r["loss"]) for r in rows if "loss" in r])
+  ax.plot(steps, loss, color="C0", alpha=0.3, label="loss")
+  window = max(1, len(loss) // 50)
+  if window > 1:
+    smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
+    ax.plot(steps[window - 1:], smooth, color="C0", label=f"loss ({window}-step mean)")
+  evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+  if evals:
+    ax.plot(*zip(*evals), "o-", color="C1", label="eval_loss", markersize=3)
   ax.set_xlabel("step")
   ax.set_ylabel("loss (nats/token)")
   ax.grid(alpha=0.3)

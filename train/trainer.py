@@ -1,6 +1,6 @@
 """One trainer for every task: sharded jitted steps, evaluation, checkpoints, metrics.
 
-A `Task` says what to train: a model factory, a loss, and batches as pure functions of the step
+A `Task` says what to train: a freshly initialised model, a loss, and batches as pure functions of the step
 (training) or of an index (evaluation). `fit` does the rest:
 
   state = {"step", "params", "opt_state"}     params float32, sharded by logical axes
@@ -45,13 +45,14 @@ class NonFiniteLossError(RuntimeError):
 class Task:
   """What to train.
 
-  make_model: () -> nnx.Module, deterministic (seeded from the config).
+  model: the nnx.Module with its initial (float32) parameters, seeded from the config; it is
+    built eagerly on one device and then sharded, so its constructor need not be traceable.
   loss_fn: (model, batch) -> (scalar loss, {name: scalar}) on device arrays.
   train_batch: step -> {name: np.ndarray [global_batch, ...]}, a pure function of the step.
   eval_batch: index -> the same, for evaluation.
   tokens_per_batch: for the tokens/s figure.
   """
-  make_model: Callable[[], nnx.Module]
+  model: nnx.Module
   loss_fn: Callable[[nnx.Module, dict], tuple[jax.Array, dict]]
   train_batch: Callable[[int], dict]
   eval_batch: Callable[[int], dict]
@@ -90,19 +91,19 @@ def check_config(config) -> None:
 
 def _init_state(task: Task, tx, mesh):
   """Fresh sharded state and the graph pieces to rebuild the model from params."""
-  abstract = nnx.eval_shape(task.make_model)
-  graphdef, abstract_params, abstract_rest = nnx.split(abstract, nnx.Param, ...)
-  param_sh = sharding.param_shardings(abstract, abstract_params, mesh)
-  rest_sh = jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract_rest)
-
-  def init():
-    _, params, rest = nnx.split(task.make_model(), nnx.Param, ...)
-    return params, rest
-
-  params, rest = jax.jit(init, out_shardings=(param_sh, rest_sh))()
+  graphdef, params, rest = nnx.split(task.model, nnx.Param, ...)
+  # copies (may_alias=False): the donated train state must not own task.model's arrays
+  params = jax.device_put(params, sharding.param_shardings(task.model, params, mesh),
+                          may_alias=False)
+  rest = jax.device_put(rest, NamedSharding(mesh, P()), may_alias=False)
   state = {"step": jnp.zeros((), jnp.int32), "params": params,
            "opt_state": jax.jit(tx.init)(params)}
   return graphdef, rest, state
+
+
+def _with_loss(loss_and_aux):
+  loss, aux = loss_and_aux
+  return {"loss": loss, **aux}
 
 
 def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
@@ -129,7 +130,7 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
 
     train_step = jax.jit(train_step, in_shardings=(state_sh, None), out_shardings=(state_sh, None),
                          donate_argnums=0)
-    eval_loss_fn = jax.jit(lambda params, batch: task.loss_fn(model_of(params), batch)[0])
+    eval_fn = jax.jit(lambda params, batch: _with_loss(task.loss_fn(model_of(params), batch)))
 
     checkpoints = Checkpoints(workdir / "checkpoints", every=config.checkpoint_every,
                               keep=config.keep_checkpoints)
@@ -156,9 +157,10 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
       return values["loss"]
 
     def evaluate(params):
-      losses = [eval_loss_fn(params, sharding.put_batch(task.eval_batch(i), mesh))
-                for i in range(config.eval_batches)]
-      return float(np.mean(jax.device_get(losses)))
+      """{"eval_" + name: mean over the evaluation batches} for the loss and the aux metrics."""
+      rows = jax.device_get([eval_fn(params, sharding.put_batch(task.eval_batch(i), mesh))
+                             for i in range(config.eval_batches)])
+      return {f"eval_{k}": float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
     pending, loss, eval_loss = None, None, None
     try:
@@ -171,8 +173,9 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
         if done % config.eval_every == 0 or checkpoints.due(done, config.steps):
           loss, pending = record(*pending), None
           if done % config.eval_every == 0 or done == config.steps:
-            eval_loss = evaluate(state["params"])
-            writer.write(step, {"eval_loss": eval_loss})
+            eval_metrics = evaluate(state["params"])
+            eval_loss = eval_metrics["eval_loss"]
+            writer.write(step, eval_metrics)
           if checkpoints.due(done, config.steps):
             checkpoints.save(done, state)
     finally:

@@ -1,0 +1,51 @@
+"""The pre-norm residual block shared by the models, and the FFN choice.
+
+Block:  x = x + mixer(RMSNorm(x), *context);  x = x + ffn(RMSNorm(x)),  x [B, L, d].
+`context` is whatever else the mixer reads (Pack3D: coords, field_ids). Layers that call a
+Pallas kernel run through `partitioning.shard_layer` (batch-split shard_map under a mesh);
+the FFN is token-wise, so it is also split along the sequence over the tensor axis.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from models.flash_ffn import FlashFFN, SwiGLU
+from models.norm import RMSNorm
+from models.partitioning import constrain, shard_layer
+
+FFNS = ("swiglu", "flashffn")
+
+
+def make_ffn(kind: str, d_model: int, num_heads: int, *, impl: str, dtype, options: dict,
+             rngs: nnx.Rngs) -> nnx.Module:
+  """The FFN `kind` (one of FFNS): SwiGLU(d_model, **options) or FlashFFN(d_model, **options)
+  (FlashFFN defaults: num_heads, impl)."""
+  if kind == "swiglu":
+    return SwiGLU(d_model, dtype=dtype, rngs=rngs, **options)
+  return FlashFFN(d_model, **{"num_heads": num_heads, "impl": impl, **options}, dtype=dtype,
+                  rngs=rngs)
+
+
+class Block(nnx.Module):
+  """x + mixer(norm(x), *context), then + ffn(norm(.)); see the module docstring."""
+
+  def __init__(self, mixer: nnx.Module, ffn: nnx.Module, d_model: int, *, pallas_mixer: bool,
+               pallas_ffn: bool):
+    self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
+    self.mixer, self.ffn = mixer, ffn
+    self.pallas_mixer, self.pallas_ffn = pallas_mixer, pallas_ffn
+
+  def __call__(self, x, *context):
+    h = self.norm1(x)
+    x = x + (shard_layer(self.mixer, h, *context) if self.pallas_mixer
+             else self.mixer(h, *context))
+    h = self.norm2(x)
+    x = x + (shard_layer(self.ffn, h, split_seq=True) if self.pallas_ffn else self.ffn(h))
+    return constrain(x, ("batch", "seq", None))
+
+  def step(self, x_t, cache):
+    """Decoding (causal mixers): x_t [B, d] -> (y_t [B, d], cache)."""
+    h, cache = self.mixer.step(self.norm1(x_t), cache)
+    x_t = x_t + h.astype(x_t.dtype)
+    return x_t + self.ffn(self.norm2(x_t)[:, None])[:, 0], cache
