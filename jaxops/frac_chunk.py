@@ -24,10 +24,13 @@ single mode costs and the M modes only widen the state contraction.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxops import tiling
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -47,20 +50,9 @@ class Modes(NamedTuple):
 # Small helpers that lower in Mosaic and Triton alike.
 # ----------------------------------------------------------------------------
 
-def _dot(a, b):
-  return jnp.dot(a, b, precision=_HIGHEST, preferred_element_type=_F32)
-
-
-def _dot_nt(a, b):
-  """a @ b^T."""
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HIGHEST,
-                             preferred_element_type=_F32)
-
-
-def _dot_tn(a, b):
-  """a^T @ b."""
-  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_HIGHEST,
-                             preferred_element_type=_F32)
+_dot = functools.partial(tiling.dot, precision=_HIGHEST)
+_dot_nt = functools.partial(tiling.dot_nt, precision=_HIGHEST)  # a @ b^T
+_dot_tn = functools.partial(tiling.dot_tn, precision=_HIGHEST)  # a^T @ b
 
 
 def _iota(shape, dim):
@@ -202,10 +194,6 @@ def chunk_backward(x, bd, c, t, modes: Modes, rep, state, dy, dstate):
 # Layout: [Bt, L, H, X] <-> per-group tiles [G, Lp, X'], G = Bt * H.
 # ----------------------------------------------------------------------------
 
-def _pow2(x: int, minimum: int) -> int:
-  return max(minimum, 1 << max(0, x - 1).bit_length())
-
-
 @dataclasses.dataclass(frozen=True)
 class TileLayout:
   """Chunk size and padded extents: L -> length (a multiple of chunk), P, N, M -> p, n, m.
@@ -226,9 +214,10 @@ class TileLayout:
     _, length, _, p = x.shape
     n, m = b.shape[3], rates.shape[1]
     if pow2:
-      chunk, p, n, m = _pow2(chunk, 16), _pow2(p, 16), _pow2(n, 16), _pow2(m, 1)
-    chunk = min(chunk, _pow2(length, 16) if pow2 else length)
-    return cls(chunk, -(-length // chunk) * chunk, p, n, m)
+      up = tiling.next_pow2
+      chunk, p, n, m = up(chunk), up(p), up(n), up(m, minimum=1)
+    chunk = min(chunk, tiling.next_pow2(length, 16) if pow2 else length)
+    return cls(chunk, tiling.round_up(length, chunk), p, n, m)
 
   @property
   def num_chunks(self) -> int:

@@ -13,19 +13,21 @@ import jax.numpy as jnp
 _F32 = jnp.float32
 
 
-def dot(a, b):
+def dot(a, b, precision=None):
   """a @ b, [m, k] x [k, n] -> [m, n] float32."""
-  return jnp.dot(a, b, preferred_element_type=_F32)
+  return jnp.dot(a, b, precision=precision, preferred_element_type=_F32)
 
 
-def dot_nt(a, b):
+def dot_nt(a, b, precision=None):
   """a @ b^T, [m, k] x [n, k] -> [m, n] float32."""
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=_F32)
 
 
-def dot_tn(a, b):
+def dot_tn(a, b, precision=None):
   """a^T @ b, [k, m] x [k, n] -> [m, n] float32."""
-  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
+  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=_F32)
 
 
 def round_up(x: int, multiple: int) -> int:
