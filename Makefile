@@ -25,6 +25,8 @@ demo: setup
 
 bench: setup
 	JAX_PLATFORMS=cpu $(PY) -m benchmarks.flash_ffn_memory
+	JAX_PLATFORMS=cpu $(PY) -m benchmarks.pack3d_speed
+	JAX_PLATFORMS=cpu $(PY) -m benchmarks.frac_speed
 
 clean:
 	rm -rf $(VENV) .pytest_cache
