@@ -24,19 +24,13 @@ from train import trainer
 from train.data import synthetic, text
 
 
-def resolve_impl(impl: str) -> str:
-  if impl != "auto":
-    return impl
-  return "pallas" if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm") else "xla"
-
-
 def make_model(config) -> LanguageModel:
   """LanguageModel from config.model; ValueError naming config.model if it cannot be built.
 
   Initialisation draws from the "rbg" PRNG: it compiles ~4x faster than threefry on CPU.
   """
   kwargs = config.model.to_dict()
-  kwargs["impl"] = resolve_impl(kwargs["impl"])
+  kwargs["impl"] = trainer.resolve_impl(kwargs["impl"])
   try:
     return LanguageModel(**kwargs, dtype=trainer.compute_dtype(config),
                          rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")))

@@ -68,6 +68,13 @@ class FitResult:
   workdir: pathlib.Path
 
 
+def resolve_impl(impl: str) -> str:
+  """Kernel choice: "auto" is "pallas" on TPU/GPU and "xla" on CPU; other values pass through."""
+  if impl != "auto":
+    return impl
+  return "pallas" if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm") else "xla"
+
+
 def compute_dtype(config):
   return COMPUTE_DTYPES[config.compute_dtype]
 

@@ -1,0 +1,82 @@
+"""Pack3DSegmenter: 3D segmentation over packed fields with Pack3D attention blocks.
+
+  tokens [B, N, p^3 C]  (patchified voxels, `jaxops.packing.patchify` + `pack_fields`)
+  -> patch embedding (linear) [B, N, d]
+  -> depth x Block(Pack3DAttention(., coords, field_ids), FFN)        (models.block)
+  -> RMSNorm -> per-token head -> logits [B, N, p^3, K] (float32)
+`voxel_logits` turns one item's token logits back into per-field voxel volumes [Z, Y, X, K].
+Many volumes of different shapes go in one item: only (coords, field_ids) tell them apart.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxops import packing
+from models.block import FFNS, Block, make_ffn
+from models.norm import RMSNorm
+
+
+class Pack3DSegmenter(nnx.Module):
+  """Args:
+    patch, in_channels, num_classes: patch (pz, py, px), C and K.
+    d_model, depth, num_heads: width, number of blocks, attention heads (d / H % 6 == 0 for
+      axial RoPE).
+    ffn, ffn_options: as in models.block.make_ffn.
+    attention_options: extra Pack3DAttention arguments (block_shape, radius_blocks, position,
+      max_cubes, ...).
+    impl: "pallas", "xla" or "reference" for Pack3D attention and FlashFFN.
+    dtype: compute dtype (None: float32); parameters stay float32.
+  """
+
+  def __init__(self, *, patch: Sequence[int] = (4, 4, 4), in_channels: int = 1,
+               num_classes: int, d_model: int, depth: int, num_heads: int, ffn: str = "swiglu",
+               ffn_options: dict | None = None, attention_options: dict | None = None,
+               impl: str = "xla", dtype=None, rngs: nnx.Rngs):
+    from models.pack3d import Pack3DAttention  # noqa: PLC0415  (lazy: Pack3D's own module)
+    if ffn not in FFNS:
+      raise ValueError(f"Pack3DSegmenter: `ffn` must be one of {FFNS}, got {ffn!r}")
+    for name, value in (("d_model", d_model), ("depth", depth), ("num_heads", num_heads),
+                        ("num_classes", num_classes), ("in_channels", in_channels)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"Pack3DSegmenter: `{name}` must be a positive int, got {value!r}")
+    self.patch, self.num_classes, self.dtype = tuple(patch), num_classes, dtype
+    voxels = math.prod(patch)
+    self.embed = nnx.Param(jax.random.normal(rngs.params(), (voxels * in_channels, d_model))
+                           * (voxels * in_channels) ** -0.5)
+    self.embed_bias = nnx.Param(jnp.zeros((d_model,)))
+    self.blocks = nnx.List([
+        Block(Pack3DAttention(d_model, num_heads, impl=impl, dtype=dtype, rngs=rngs,
+                              **(attention_options or {})),
+              make_ffn(ffn, d_model, num_heads, impl=impl, dtype=dtype,
+                       options=dict(ffn_options or {}), rngs=rngs),
+              d_model, pallas_mixer=impl == "pallas",
+              pallas_ffn=impl == "pallas" and ffn == "flashffn")
+        for _ in range(depth)])
+    self.norm = RMSNorm(d_model)
+    self.head = nnx.Param(jax.random.normal(rngs.params(), (d_model, voxels * num_classes))
+                          * d_model ** -0.5)
+
+  def __call__(self, tokens, coords, field_ids):
+    """tokens [B, N, p^3 C], coords int [B, N, 3], field_ids int [B, N] -> [B, N, p^3, K]."""
+    dtype = self.dtype or jnp.float32
+    x = tokens.astype(dtype) @ self.embed[...].astype(dtype) + self.embed_bias[...].astype(dtype)
+    for block in self.blocks:
+      x = block(x, coords, field_ids)
+    logits = jnp.einsum("bnd,dk->bnk", self.norm(x), self.head[...].astype(dtype),
+                        preferred_element_type=jnp.float32)
+    return logits.reshape(*logits.shape[:2], math.prod(self.patch), self.num_classes)
+
+
+def voxel_logits(token_logits, shapes: Sequence[Sequence[int]], patch: Sequence[int]):
+  """One item's token logits [N, p^3, K] (fields packed in order, as `pack_fields` does, padding
+  after) -> a list of voxel logits [Z_i, Y_i, X_i, K] for fields of voxel `shapes`."""
+  grids = [tuple(s // p for s, p in zip(shape, patch)) for shape in shapes]
+  used = sum(math.prod(g) for g in grids)
+  flat = token_logits[:used].reshape(used, -1)
+  return [packing.unpatchify(f, patch) for f in packing.unpack_fields(flat, grids)]

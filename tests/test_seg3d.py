@@ -1,0 +1,94 @@
+"""Pack3DSegmenter, UNet3D and the 3D segmentation training binary."""
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import seg3d_smoke
+from models.seg3d import Pack3DSegmenter, voxel_logits
+from models.unet3d import UNet3D, param_count, unet3d_matching
+from train import seg3d_task, trainer
+from train.data import volumes
+from train.metrics import read_metrics
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+RNGS = lambda: nnx.Rngs(jax.random.key(0, impl="rbg"))   # fast-compiling init
+
+
+@functools.cache
+def segmenter():
+  return Pack3DSegmenter(num_classes=4, d_model=12, depth=1, num_heads=2,
+                         ffn_options={"d_ff": 24}, attention_options={"block_shape": (2, 2, 2)},
+                         impl="xla", rngs=RNGS())
+
+
+def test_segmenter_is_invariant_to_the_packing_order():
+  fields = volumes.sample_fields(seed=0, stream=0, index=0, count=2, shapes=[(8, 8, 12)])
+  b = volumes.pack(fields, items=1, patch=(4, 4, 4), num_tokens=32)    # 24 + 8 padding
+  model = segmenter()
+  args = (b["tokens"], b["coords"], b["field_ids"])
+  logits = model(*args)
+  assert logits.shape == (1, 32, 64, 4)
+  perm = np.random.default_rng(0).permutation(32)
+  shuffled = model(*(a[:, perm] for a in args))
+  np.testing.assert_allclose(shuffled, logits[:, perm], atol=1e-5)
+  vols = voxel_logits(logits[0], [(8, 8, 12)] * 2, (4, 4, 4))
+  assert [v.shape for v in vols] == [(8, 8, 12, 4)] * 2
+  # voxel_logits inverts the packing: label tokens -> label volumes
+  labels = voxel_logits(jnp.asarray(b["labels"][0])[..., None], [(8, 8, 12)] * 2, (4, 4, 4))
+  np.testing.assert_array_equal(labels[1][..., 0], fields[1][1])
+
+
+def test_unet_shapes_and_size_matching():
+  model = UNet3D(num_classes=4, base_channels=4, levels=2, rngs=RNGS())
+  assert model(jnp.ones((1, 8, 8, 12, 1))).shape == (1, 8, 8, 12, 4)
+  with pytest.raises(ValueError, match="divisible"):
+    model(jnp.ones((1, 7, 8, 8, 1)))
+  target = param_count(segmenter())
+  base = unet3d_matching(target, levels=2, num_classes=4)
+  matched = param_count(nnx.eval_shape(lambda: UNet3D(num_classes=4, base_channels=base,
+                                                      levels=2, rngs=nnx.Rngs(0))))
+  assert abs(matched - target) / target < 0.25
+
+
+@pytest.mark.parametrize("kind", ["pack3d", "unet3d"])
+def test_training_reports_loss_and_dice(tmp_path, kind):
+  c = seg3d_smoke.get_config()
+  c.steps, c.eval_every, c.checkpoint_every, c.batch_size = 2, 2, 2, 2
+  c.mesh.data = 2
+  c.model.kind = kind
+  trainer.fit(c, tmp_path, seg3d_task.build_task(c))
+  rows = read_metrics(tmp_path / "metrics.jsonl")
+  assert np.isfinite(rows[-1]["eval_loss"]) and 0 <= rows[-1]["eval_dice"] <= 1
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("model.kind", "vit", "config.model.kind"),
+    ("model.num_heads", 5, "config.model"),
+    ("data.num_tokens", 8, "config.data")])
+def test_bad_config_names_the_field(field, value, message):
+  c = seg3d_smoke.get_config()
+  section, leaf = field.split(".")
+  c[section][leaf] = value
+  with pytest.raises(ValueError, match=message):
+    seg3d_task.build_task(c)
+
+
+def test_binary_one_step(tmp_path):
+  cmd = [sys.executable, "-m", "train.train_seg3d", "--config=configs/seg3d_smoke.py",
+         "--config.steps=1", f"--workdir={tmp_path}"]
+  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert (tmp_path / "checkpoints" / "1").is_dir() and (tmp_path / "loss.png").exists()
+  assert jax.device_count() == 8          # conftest: the binary saw 8 devices as well

@@ -1,0 +1,120 @@
+"""3D segmentation of procedural cell volumes: config -> Task for the trainer.
+
+config.model.kind:
+  "pack3d"  Pack3DSegmenter on packed fields (config.data.fields_per_item volumes of different
+            shapes per sequence of config.data.num_tokens patch tokens)
+  "unet3d"  UNet3D on the same volumes, each zero-padded to the largest shape; its
+            base_channels = 0 means "match the Pack3DSegmenter's parameter count"
+Loss: voxel cross entropy over real voxels (padding masked); metric: macro Dice over the
+foreground classes (cytoplasm, nucleus, structure) of the argmax prediction.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from models.seg3d import Pack3DSegmenter
+from models.unet3d import UNet3D, param_count, unet3d_matching
+from train import trainer
+from train.data import volumes
+
+KINDS = ("pack3d", "unet3d")
+
+
+def segmentation_loss(logits, labels, mask):
+  """logits [..., K], labels int [...], mask [...] -> (masked mean CE, {"dice": macro Dice})."""
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  count = jnp.maximum(mask.sum(), 1.0)
+  pred = jnp.argmax(logits, -1)
+  dice = []
+  for c in range(1, logits.shape[-1]):
+    p, g = (pred == c) * mask, (labels == c) * mask
+    dice.append((2 * (p * g).sum() + 1.0) / (p.sum() + g.sum() + 1.0))
+  return (ce * mask).sum() / count, {"dice": jnp.mean(jnp.stack(dice))}
+
+
+def pack3d_loss(model, batch):
+  logits = model(batch["tokens"], batch["coords"], batch["field_ids"])
+  mask = jnp.broadcast_to(batch["mask"][..., None], batch["labels"].shape)
+  return segmentation_loss(logits, batch["labels"], mask)
+
+
+def unet_loss(model, batch):
+  return segmentation_loss(model(batch["image"]), batch["labels"], batch["mask"])
+
+
+def _pack3d(config, dtype):
+  c = config.model
+  return Pack3DSegmenter(
+      patch=tuple(config.data.patch), in_channels=1, num_classes=volumes.NUM_CLASSES,
+      d_model=c.d_model, depth=c.depth, num_heads=c.num_heads, ffn=c.ffn,
+      ffn_options=c.ffn_options.to_dict(), attention_options=c.attention_options.to_dict(),
+      impl=trainer.resolve_impl(c.impl), dtype=dtype,
+      rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")))
+
+
+def make_model(config) -> nnx.Module:
+  """The model config.model.kind; ValueError naming config.model if it cannot be built."""
+  kind = config.model.kind
+  if kind not in KINDS:
+    raise ValueError(f"config.model.kind must be one of {KINDS}, got {kind!r}")
+  dtype = trainer.compute_dtype(config)
+  try:
+    if kind == "pack3d":
+      return _pack3d(config, dtype)
+    base = config.model.unet.base_channels or unet3d_matching(
+        param_count(nnx.eval_shape(lambda: _pack3d(config, dtype))),
+        levels=config.model.unet.levels, num_classes=volumes.NUM_CLASSES)
+    return UNet3D(in_channels=1, num_classes=volumes.NUM_CLASSES, base_channels=base,
+                  levels=config.model.unet.levels, dtype=dtype,
+                  rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")))
+  except (ValueError, TypeError, ImportError) as e:
+    raise ValueError(f"config.model is invalid: {e}") from e
+
+
+def dense_shape(shapes, levels: int) -> tuple[int, ...]:
+  """The per-axis maximum of `shapes`, rounded up to a multiple of 2^(levels - 1)."""
+  f = 2 ** (levels - 1)
+  return tuple(f * math.ceil(max(s[a] for s in shapes) / f) for a in range(3))
+
+
+def build_task(config) -> trainer.Task:
+  d = config.data
+  shapes = [tuple(s) for s in d.shapes]
+  try:
+    volumes.check_shapes(shapes, d.patch, d.num_tokens, d.fields_per_item)
+  except ValueError as e:
+    raise ValueError(f"config.data is invalid: {e}") from e
+  model = make_model(config)
+  fields = functools.partial(volumes.sample_fields, seed=config.seed,
+                             count=config.batch_size * d.fields_per_item, shapes=shapes)
+  if config.model.kind == "pack3d":
+    view = functools.partial(volumes.pack, items=config.batch_size, patch=tuple(d.patch),
+                             num_tokens=d.num_tokens)
+    loss_fn, tokens = pack3d_loss, config.batch_size * d.num_tokens
+  else:
+    shape = dense_shape(shapes, config.model.unet.levels)
+    view = functools.partial(volumes.pad, max_shape=shape)
+    loss_fn = unet_loss
+    tokens = config.batch_size * d.fields_per_item * math.prod(shape) // math.prod(d.patch)
+  print(f"{type(model).__name__}: {param_count(model):,} parameters")
+  return trainer.Task(
+      model=model, loss_fn=loss_fn,
+      train_batch=lambda step: view(fields(stream=0, index=step)),
+      eval_batch=lambda i: view(fields(stream=1, index=i)),
+      tokens_per_batch=tokens)
+
+
+def train_and_evaluate(config, workdir: str) -> trainer.FitResult:
+  trainer.check_config(config)
+  result = trainer.fit(config, workdir, build_task(config))
+  print(f"final train loss {result.final_loss}, eval loss {result.eval_loss}; "
+        f"outputs in {result.workdir.absolute()}: checkpoints/, metrics.jsonl (eval_dice), tb/, "
+        "loss.png")
+  return result
