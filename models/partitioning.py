@@ -55,6 +55,8 @@ PARAM_AXES: dict[str, dict[str, tuple]] = {
                  "k": ("heads", None, "expert_mlp", None), "u": ("heads", None, "expert_mlp", None),
                  "v": ("heads", None, "expert_mlp", None)},
     "FRACMixer": {"in_proj": ("embed", None), "out_proj": (None, "embed")},
+    "Pack3DAttention": {"w_qkv": ("embed", None), "w_out": (None, "embed")},
+    "Pack3DSegmenter": {"embed": (None, "embed"), "head": ("embed", None)},
 }
 
 

@@ -61,12 +61,12 @@ def test_unet_shapes_and_size_matching():
   assert abs(matched - target) / target < 0.25
 
 
-@pytest.mark.parametrize("kind", ["pack3d", "unet3d"])
-def test_training_reports_loss_and_dice(tmp_path, kind):
+def test_unet_training_reports_loss_and_dice(tmp_path):
+  """(Pack3DSegmenter training runs in test_binary_one_step.)"""
   c = seg3d_smoke.get_config()
   c.steps, c.eval_every, c.checkpoint_every, c.batch_size = 2, 2, 2, 2
   c.mesh.data = 2
-  c.model.kind = kind
+  c.model.kind = "unet3d"
   trainer.fit(c, tmp_path, seg3d_task.build_task(c))
   rows = read_metrics(tmp_path / "metrics.jsonl")
   assert np.isfinite(rows[-1]["eval_loss"]) and 0 <= rows[-1]["eval_dice"] <= 1
@@ -91,4 +91,4 @@ def test_binary_one_step(tmp_path):
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert out.returncode == 0, out.stderr[-3000:]
   assert (tmp_path / "checkpoints" / "1").is_dir() and (tmp_path / "loss.png").exists()
-  assert jax.device_count() == 8          # conftest: the binary saw 8 devices as well
+  assert "eval_dice" in read_metrics(tmp_path / "metrics.jsonl")[-1]

@@ -150,12 +150,10 @@ def test_binary_one_step(tmp_path):
   assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] > 0
 
 
-@pytest.mark.parametrize("kind, options", [("mqar", {"num_pairs": 2}),
-                                           ("selective_copy", {"num_tokens": 3})])
-def test_synthetic_tasks_train_with_masked_loss_and_accuracy(tmp_path, kind, options):
+def test_synthetic_task_trains_with_masked_loss_and_accuracy(tmp_path):
   c = config()
   c.steps, c.eval_every = 2, 2
-  c.data.kind, c.data.vocab, c.data.options = kind, 16, options
+  c.data.kind, c.data.vocab, c.data.options = "mqar", 16, {"num_pairs": 2}
   trainer.fit(c, tmp_path, lm_task.build_task(c))
   rows = read_metrics(tmp_path / "metrics.jsonl")
   assert "accuracy" in rows[0] and 0 <= rows[-1]["eval_accuracy"] <= 1
