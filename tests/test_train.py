@@ -99,6 +99,7 @@ def test_stop_and_resume_equals_uninterrupted(baseline, tmp_path):
   with pytest.raises(KeyboardInterrupt):
     trainer.fit(c, tmp_path, dataclasses.replace(task, train_batch=preempted))
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4"]
+  (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-0").mkdir()   # a save cut short
   trainer.fit(c, tmp_path, task)
   assert losses(tmp_path) == losses(baseline[0])
 
@@ -126,6 +127,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(baseline, tmp_p
     ("optim.warmup_steps", -1, "config.optim.warmup_steps"),
     ("compute_dtype", "float8", "config.compute_dtype"),
     ("steps", 0, "config.steps"),
+    ("sample.num_tokens", 100, "config.sample.num_tokens"),
 ])
 def test_bad_config_fails_before_compiling_naming_the_field(tmp_path, field, value, message):
   c = config(data=2, fsdp=2, tensor=2) if field == "batch_size" else config()

@@ -100,9 +100,19 @@ def sample(model: LanguageModel, config) -> str:
   return bytes(int(t) for t in jax.device_get(out[0])).decode("utf-8", errors="replace")
 
 
+def check_sample_config(config) -> None:
+  """The attention KV cache holds config.model.context tokens: the sample must fit in it."""
+  length = len(config.sample.prompt.encode()) + config.sample.num_tokens
+  if config.model.mixer == "attention" and length > config.model.context:
+    raise ValueError(f"config.sample.num_tokens: prompt + {config.sample.num_tokens} tokens = "
+                     f"{length} exceed the attention context config.model.context = "
+                     f"{config.model.context}")
+
+
 def train_and_evaluate(config, workdir: str) -> trainer.FitResult:
   """Train the LM, print a generated sample, say where the outputs are."""
   trainer.check_config(config)
+  check_sample_config(config)
   result = trainer.fit(config, workdir, build_task(config))
   if config.sample.num_tokens > 0:
     text_out = sample(result.model, config)

@@ -20,7 +20,7 @@ import dataclasses
 import json
 import math
 import pathlib
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -145,7 +145,8 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
     if restored is not None:
       state = restored
     start = int(state["step"])
-    (workdir / "config.json").write_text(config.to_json(indent=2))
+    if jax.process_index() == 0:
+      (workdir / "config.json").write_text(config.to_json(indent=2))
     writer = metrics_lib.MetricWriter(workdir, resume_step=start)
     bar = metrics_lib.ProgressBar(config.steps, task.tokens_per_batch)
     if start:
@@ -189,8 +190,9 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
       bar.close()
       checkpoints.close()
       writer.close()
-    if jax.process_index() == 0 and writer.path.exists():
-      metrics_lib.plot_losses(writer.path, workdir / "loss.png")
     summary = {"final_loss": loss, "eval_loss": eval_loss, "steps_per_s": bar.rate}
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if jax.process_index() == 0:
+      if writer.path.exists():
+        metrics_lib.plot_losses(writer.path, workdir / "loss.png")
+      (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return FitResult(model=model_of(state["params"]), workdir=workdir, **summary)
