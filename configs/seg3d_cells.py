@@ -1,6 +1,7 @@
 """Cell segmentation: Pack3DSegmenter (axial RoPE, Pack3D attention, FlashFFN) on packed
 procedural cell volumes of different shapes; --config.model.kind=unet3d for the size-matched
-3D U-Net baseline. Compare eval_dice in metrics.jsonl.
+3D U-Net baseline. Compare eval_dice in metrics.jsonl. Sized for an accelerator (about
+100 s per step on a 2-core CPU; use configs/seg3d_smoke.py there).
 
   python -m train.train_seg3d --config=configs/seg3d_cells.py --workdir=runs/seg3d_pack3d
 """
