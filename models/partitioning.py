@@ -46,7 +46,8 @@ RULES: dict[str, tuple[str, ...]] = {
 
 _W_IN = {"w_in": ("embed", "mlp"), "w_out": ("mlp", "embed")}
 PARAM_AXES: dict[str, dict[str, tuple]] = {
-    "LanguageModel": {"embed": ("vocab", "embed"), "head": ("embed", "vocab")},
+    # The embedding table stays replicated: XLA rematerializes a gather from a sharded table.
+    "LanguageModel": {"embed": (None, None), "head": ("embed", "vocab")},
     "RMSNorm": {"scale": (None,)},
     "CausalAttention": {"wq": ("embed", "heads", None), "wk": ("embed", "heads", None),
                         "wv": ("embed", "heads", None), "wo": ("heads", None, "embed")},
