@@ -7,6 +7,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxops import frac as frac_ops
@@ -89,9 +90,11 @@ class FRACMixer(nnx.Module):
       self.alpha_logit = None
     else:
       lo = max(0.2, alpha_min)
-      alpha = (jnp.linspace(lo, 0.9, num_heads) if alpha_init is None
-               else jnp.broadcast_to(jnp.asarray(alpha_init, _F32), (num_heads,)))
-      if not bool(jnp.all((alpha >= alpha_min) & (alpha <= 1.0))):
+      # numpy: alpha_init is a config value, and the check must also run under jit /
+      # nnx.eval_shape, where a jnp comparison would be a tracer.
+      alpha = (np.linspace(lo, 0.9, num_heads) if alpha_init is None
+               else np.broadcast_to(np.asarray(alpha_init, np.float32), (num_heads,)))
+      if not np.all((alpha >= alpha_min) & (alpha <= 1.0)):
         raise ValueError(f"FRACMixer: `alpha_init` must lie in [alpha_min={alpha_min}, 1],"
                          f" got {alpha}")
       frac = jnp.clip((alpha - alpha_min) / (1 - alpha_min), 1e-3, 1 - 1e-3)
