@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import jax
+import jax.numpy as jnp
 
 
 def temp_bytes(fn, *args) -> int:
@@ -26,3 +27,15 @@ def wall_seconds(fn, *args, repeats: int = 3) -> float:
 
 def mib(n: int) -> str:
   return f"{n / 2**20:,.0f}"
+
+
+def report_errors(label: str, names, values, references, tol: float) -> bool:
+  """Prints each value's max error relative to max|reference|; True when all are <= tol."""
+  ok = True
+  for name, value, ref in zip(names, values, references, strict=True):
+    ref = jnp.asarray(ref, jnp.float32)
+    err = float(jnp.max(jnp.abs(jnp.asarray(value, jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+    ok &= err <= tol
+    print(f"  {label} {name}: rel. max error {err:.2e} ({'ok' if err <= tol else 'FAIL'})",
+          flush=True)
+  return ok

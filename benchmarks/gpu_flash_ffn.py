@@ -2,6 +2,7 @@
 
 Run by benchmarks/gpu_check.sh; prints one line per check, exits non-zero on a mismatch.
   python -m benchmarks.gpu_flash_ffn
+On a machine without a GPU the kernel runs interpreted on a short sequence (a smoke test).
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import wall_seconds
+from benchmarks.common import report_errors, wall_seconds
 from jaxops import flash_ffn as ops
 from models import FlashFFN, SwiGLU
 from pallas_kernels import flash_ffn as kernel
 
 D, HEADS, EXPERTS, D_E, D_FF_SWIGLU = 1024, 8, 11, 256, 2752
+ON_GPU = jax.default_backend() == "gpu"
 
 
 def check(dtype, length, tol) -> bool:
@@ -29,15 +31,10 @@ def check(dtype, length, tol) -> bool:
              for kk in ks[2:])
   loss = lambda op, *a: jnp.sum(jnp.sin(op(*a).astype(jnp.float32)))
   grads = lambda op: jax.jit(jax.grad(functools.partial(loss, op), argnums=range(5)))
-  fast = grads(functools.partial(kernel.mhffn, interpret=False))(q, r, k, u, v)
+  fast = grads(functools.partial(kernel.mhffn, interpret=None if ON_GPU else True))(q, r, k, u, v)
   ref = grads(ops.mhffn_reference)(*(a.astype(jnp.float32) for a in (q, r, k, u, v)))
-  ok = True
-  for name, g, g_ref in zip("qrkuv", fast, ref):
-    err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - g_ref)) / jnp.max(jnp.abs(g_ref)))
-    ok &= err <= tol
-    print(f"  {jnp.dtype(dtype).name} L={length} d{name}: rel. max error {err:.2e} "
-          f"({'ok' if err <= tol else 'FAIL'})")
-  return ok
+  return report_errors(f"{jnp.dtype(dtype).name} L={length}", [f"d{n}" for n in "qrkuv"],
+                       fast, ref, tol)
 
 
 def timing(length: int, dtype) -> None:
@@ -63,7 +60,11 @@ def timing(length: int, dtype) -> None:
 
 
 def main() -> int:
-  ok = check(jnp.float32, 1000, 2e-3) & check(jnp.bfloat16, 4096, 5e-2)
+  print(f"FlashFFN d={D} H={HEADS} E={EXPERTS} d_e={D_E}, devices: {jax.devices()}")
+  if not ON_GPU:  # smoke test of this script: interpreted kernel, short sequence
+    return 0 if check(jnp.float32, 40, 1e-4) else 1
+  # float32 tiles go through tl.dot in TF32 (as XLA does on GPU by default): 1e-2.
+  ok = check(jnp.float32, 1000, 1e-2) & check(jnp.bfloat16, 4096, 5e-2)
   for length in (4096, 16384):
     timing(length, jnp.bfloat16)
   return 0 if ok else 1

@@ -13,7 +13,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import wall_seconds
+from benchmarks.common import report_errors, wall_seconds
 from jaxops import frac as ops
 from pallas_kernels import frac_scan as kernel
 
@@ -45,13 +45,8 @@ def check(dtype, length: int, tol: float) -> bool:
   fast = run(functools.partial(kernel.frac_scan, interpret=None if ON_GPU else True))(*args)
   ref = run(ops.frac_scan_reference)(*(a.astype(jnp.float32) for a in args))
   names = ("y", "state") + tuple(f"d{n}" for n in ARGNAMES)
-  ok = True
-  for name, a, a_ref in zip(names, jax.tree.leaves(fast), jax.tree.leaves(ref)):
-    err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - a_ref)) / jnp.max(jnp.abs(a_ref)))
-    ok &= err <= tol
-    print(f"  {jnp.dtype(dtype).name} L={length} {name}: rel. max error {err:.2e} "
-          f"({'ok' if err <= tol else 'FAIL'})", flush=True)
-  return ok
+  return report_errors(f"{jnp.dtype(dtype).name} L={length}", names, jax.tree.leaves(fast),
+                       jax.tree.leaves(ref), tol)
 
 
 def timing(length: int, dtype, batch: int) -> None:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import wall_seconds
+from benchmarks.common import report_errors, wall_seconds
 from jaxops import pack3d as ops
 from jaxops import packing
 from pallas_kernels import pack3d_attention as kernel
@@ -41,13 +41,8 @@ def check(dtype, tol) -> bool:
   grads = lambda op: jax.jit(jax.grad(functools.partial(loss, op), argnums=(0, 1, 2)))
   fast = grads(functools.partial(kernel.pack3d_attention, interpret=False))(*args)
   ref = grads(ops.pack3d_attention_reference)(*(a.astype(jnp.float32) for a in args))
-  ok = True
-  for name, g, g_ref in zip("qkv", fast, ref):
-    err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - g_ref)) / jnp.max(jnp.abs(g_ref)))
-    ok &= err <= tol
-    print(f"  {jnp.dtype(dtype).name} N={coords.shape[1]} d{name}: rel. max error {err:.2e} "
-          f"({'ok' if err <= tol else 'FAIL'})")
-  return ok
+  return report_errors(f"{jnp.dtype(dtype).name} N={coords.shape[1]}",
+                       [f"d{n}" for n in "qkv"], fast, ref, tol)
 
 
 def timing(shape, dtype) -> None:

@@ -49,3 +49,10 @@ def assert_close(actual, expected, *, rtol: float, name: str = "") -> None:
   scale = max(float(np.max(np.abs(expected))), 1e-6)
   err = float(np.max(np.abs(actual - expected)))
   assert err <= rtol * scale, f"{name}: max error {err:.3g} > {rtol} * {scale:.3g}"
+
+
+def assert_grads_close(grads, grads_ref, args, names, *, rtol: float) -> None:
+  """Each gradient has its input's shape and dtype and is close to the reference one."""
+  for name, g, g_ref, a in zip(names, grads, grads_ref, args, strict=True):
+    assert g.shape == a.shape and g.dtype == a.dtype, f"d{name}: {g.shape} {g.dtype}"
+    assert_close(g, g_ref, rtol=rtol, name=f"d{name}")

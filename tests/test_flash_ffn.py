@@ -57,9 +57,7 @@ def check_against_reference(path, dtype, shape=(B, L, H, D_H, E, D_E)):
   out, grads = _compiled(path)(*args)
   assert out.dtype == dtype and out.shape == args[0].shape
   kernel_checks.assert_close(out, out_ref, rtol=TOL[dtype], name="o")
-  for name, g, g_ref, a in zip("qrkuv", grads, grads_ref, args):
-    assert g.shape == a.shape and g.dtype == a.dtype, name
-    kernel_checks.assert_close(g, g_ref, rtol=TOL[dtype], name=f"d{name}")
+  kernel_checks.assert_grads_close(grads, grads_ref, args, "qrkuv", rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

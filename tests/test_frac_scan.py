@@ -62,9 +62,7 @@ def test_matches_reference_forward_and_gradients(path, dtype):
   assert s.dtype == jnp.float32 and s.shape == (BT, H, M, N, P)
   kernel_checks.assert_close(y, y_ref, rtol=TOL[dtype], name="y")
   kernel_checks.assert_close(s, s_ref, rtol=TOL[dtype], name="state")
-  for name, g, g_ref, a in zip(ARGNAMES, grads, grads_ref, args):
-    assert g.shape == a.shape and g.dtype == a.dtype, name
-    kernel_checks.assert_close(g, g_ref, rtol=TOL[dtype], name=f"d{name}")
+  kernel_checks.assert_grads_close(grads, grads_ref, args, ARGNAMES, rtol=TOL[dtype])
 
 
 def test_reference_equals_literal_loop():

@@ -94,9 +94,7 @@ def test_matches_reference_forward_and_gradients(path, dtype):
   out, grads = _compiled(path)(*args)
   assert out.dtype == dtype and out.shape == args[0].shape
   kernel_checks.assert_close(out, out_ref, rtol=TOL[dtype], name="o")
-  for name, g, g_ref, a in zip("qkv", grads, grads_ref, args):
-    assert g.shape == a.shape and g.dtype == a.dtype, name
-    kernel_checks.assert_close(g, g_ref, rtol=TOL[dtype], name=f"d{name}")
+  kernel_checks.assert_grads_close(grads, grads_ref, args, "qkv", rtol=TOL[dtype])
 
 
 # Options beside the defaults; the gated merge exists on the XLA path only.
