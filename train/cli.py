@@ -1,8 +1,15 @@
-"""Flags shared by the training binaries: --workdir and the multi-host coordinator flags."""
+"""What every training binary shares: --config, --workdir, the multi-host flags, `run`."""
 
-from absl import flags, logging
+from typing import Callable
+
+from absl import app, flags, logging
+from ml_collections import config_flags
 
 from train import sharding
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (configs/*.py).",
+                                          lock_config=True)
+flags.mark_flag_as_required("config")
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.",
                                required=True)
@@ -20,3 +27,14 @@ def initialize() -> None:
 
 def workdir() -> str:
   return _WORKDIR.value
+
+
+def run(train_and_evaluate: Callable) -> None:
+  """The binary's main: parse flags, initialize, train_and_evaluate(config, workdir)."""
+
+  def main(argv):
+    del argv
+    initialize()
+    train_and_evaluate(_CONFIG.value, workdir())
+
+  app.run(main)
