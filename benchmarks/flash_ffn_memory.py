@@ -17,8 +17,6 @@ carries copy every operand; it is shown too, as an upper bound.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from absl import app, flags
@@ -37,7 +35,7 @@ D, HEADS, EXPERTS, D_E, D_FF_SWIGLU = 1024, 8, 11, 256, 2752
 
 
 def layers():
-  """name -> (layer, remat): the five variants, built once."""
+  """name -> (layer, remat): the six variants, built once."""
   rngs = lambda: nnx.Rngs(0)
   dtype = jnp.dtype(_DTYPE.value)
   flash = lambda impl, **kw: FlashFFN(D, HEADS, EXPERTS, D_E, impl=impl, dtype=dtype,

@@ -221,11 +221,19 @@ def frac_scan_reference(x, dt, b, c, rates, weights, initial_state=None):
 # Chunked XLA path.
 # ----------------------------------------------------------------------------
 
+def _to_chunks(layout: TileLayout, a):
+  """[G, Lp, X] -> [C, G, Q, X]: chunks first, for lax.scan."""
+  return jnp.moveaxis(a.reshape(a.shape[0], layout.num_chunks, layout.chunk, -1), 1, 0)
+
+
+def _from_chunks(layout: TileLayout, a):
+  """Inverse of `_to_chunks`."""
+  return jnp.moveaxis(a, 0, 1).reshape(a.shape[1], layout.length, -1)
+
+
 def _scan_chunks(layout: TileLayout, x, bd, c, t, modes: Modes, state, *, save_starts):
   """Forward over chunks in tile layout: (y [G, Lp, P], final state, chunk-start states)."""
-  def to_chunks(a):  # [G, Lp, X] -> [C, G, Q, X]
-    return jnp.moveaxis(a.reshape(a.shape[0], layout.num_chunks, layout.chunk, -1), 1, 0)
-
+  to_chunks = functools.partial(_to_chunks, layout)
   forward = jax.vmap(chunk_forward, in_axes=(0, 0, 0, 0, 0, None, 0))
 
   def body(state, xs):
@@ -233,15 +241,12 @@ def _scan_chunks(layout: TileLayout, x, bd, c, t, modes: Modes, state, *, save_s
     return new_state, (y, state)
 
   state, (y, starts) = jax.lax.scan(body, state, tuple(map(to_chunks, (x, bd, c, t))))
-  y = jnp.moveaxis(y, 0, 1).reshape(x.shape[0], layout.length, -1)
-  return y, state, starts if save_starts else None
+  return _from_chunks(layout, y), state, starts if save_starts else None
 
 
 def _unscan_chunks(layout: TileLayout, x, bd, c, t, modes: Modes, starts, dy, dstate):
   """Backward over chunks, last first, from the saved chunk-start states."""
-  def to_chunks(a):
-    return jnp.moveaxis(a.reshape(a.shape[0], layout.num_chunks, layout.chunk, -1), 1, 0)
-
+  to_chunks = functools.partial(_to_chunks, layout)
   backward = jax.vmap(chunk_backward, in_axes=(0, 0, 0, 0, 0, None, 0, 0, 0))
 
   def body(dstate, xs):
@@ -251,9 +256,8 @@ def _unscan_chunks(layout: TileLayout, x, bd, c, t, modes: Modes, starts, dy, ds
 
   xs = (*map(to_chunks, (x, bd, c, t)), starts, to_chunks(dy))
   dstate, (dx, dbd, dc, dt, dmodes) = jax.lax.scan(body, dstate, xs, reverse=True)
-  from_chunks = lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], layout.length, -1)
   dmodes = jax.tree.map(lambda a: jnp.sum(a, axis=0), dmodes)
-  return (*map(from_chunks, (dx, dbd, dc, dt)), dmodes, dstate)
+  return (*(_from_chunks(layout, a) for a in (dx, dbd, dc, dt)), dmodes, dstate)
 
 
 def scan_vjp(layout: TileLayout, forward, backward):

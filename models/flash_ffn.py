@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxops import flash_ffn as ffn_ops
 from jaxops.rms_norm import rms_normalize
+from models.impl import Impl, check_impl
 from pallas_kernels import flash_ffn as ffn_kernel
 
-Impl = Literal["pallas", "xla", "reference"]
-_IMPLS = ("pallas", "xla", "reference")
 
 
 def default_d_expert(d_head: int) -> int:
@@ -84,8 +81,7 @@ class FlashFFN(nnx.Module):
                interpret=None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     if d_model % num_heads:
       raise ValueError(f"FlashFFN: d_model ({d_model}) must be divisible by num_heads ({num_heads})")
-    if impl not in _IMPLS:
-      raise ValueError(f"FlashFFN: `impl` must be one of {_IMPLS}, got {impl!r}")
+    check_impl("FlashFFN", impl)
     d_h = d_model // num_heads
     self.num_heads, self.impl, self.chunk, self.dtype = num_heads, impl, chunk, dtype
     self.interpret = interpret
@@ -114,15 +110,6 @@ class FlashFFN(nnx.Module):
     gain = self.norm_gain[...]
     fold = lambda t: (t * gain[:, None, None, :].astype(dtype)).astype(dtype)
     return router * gain[:, :, None], fold(k), fold(u), v
-
-  def heads_and_router(self, x):
-    """x [B, L, d] -> (q [B, L, H, d_h] in the compute dtype, r [B, L, H, E] float32).
-
-    q is normalized but not yet multiplied by the norm's gain (folded into the tables).
-    """
-    dtype = self.dtype or x.dtype
-    return heads_and_router(x, self.w_in[...], self._folded(dtype)[0],
-                            normalize=self.norm_gain is not None, dtype=dtype)
 
   def __call__(self, x):
     if x.ndim != 3 or x.shape[-1] != self.w_in.shape[0]:

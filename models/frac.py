@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +10,10 @@ import numpy as np
 from flax import nnx
 
 from jaxops import frac as frac_ops
+from jaxops.rms_norm import rms_normalize
+from models.impl import Impl, check_impl
 from pallas_kernels import frac_scan as frac_kernel
 
-Impl = Literal["pallas", "xla", "reference"]
-_IMPLS = ("pallas", "xla", "reference")
 _F32 = jnp.float32
 
 
@@ -59,8 +58,7 @@ class FRACMixer(nnx.Module):
                alpha_init=None, conv_width: int = 4, impl: Impl = "xla", mamba2: bool = False,
                learn_timescale: bool = True, chunk: int | None = None, dtype=None,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
-    if impl not in _IMPLS:
-      raise ValueError(f"FRACMixer: `impl` must be one of {_IMPLS}, got {impl!r}")
+    check_impl("FRACMixer", impl)
     if not 0.0 < alpha_min < 1.0:
       raise ValueError(f"FRACMixer: `alpha_min` must lie in (0, 1), got {alpha_min}")
     if conv_width < 1:
@@ -92,9 +90,9 @@ class FRACMixer(nnx.Module):
       lo = max(0.2, alpha_min)
       # numpy: alpha_init is a config value, and the check must also run under jit /
       # nnx.eval_shape, where a jnp comparison would be a tracer.
-      alpha = (np.linspace(lo, 0.9, num_heads) if alpha_init is None
+      alpha = (np.linspace(lo, max(lo, 0.9), num_heads) if alpha_init is None
                else np.broadcast_to(np.asarray(alpha_init, np.float32), (num_heads,)))
-      if not np.all((alpha >= alpha_min) & (alpha <= 1.0)):
+      if alpha_init is not None and not np.all((alpha >= alpha_min) & (alpha <= 1.0)):
         raise ValueError(f"FRACMixer: `alpha_init` must lie in [alpha_min={alpha_min}, 1],"
                          f" got {alpha}")
       frac = jnp.clip((alpha - alpha_min) / (1 - alpha_min), 1e-3, 1 - 1e-3)
@@ -152,8 +150,7 @@ class FRACMixer(nnx.Module):
     """D skip, gated RMSNorm (of y * silu(z)), out_proj: y, xs [..., H, P], z [..., d_in]."""
     y = y.astype(_F32) + self.skip[...].astype(_F32)[:, None] * xs.astype(_F32)
     y = y.reshape(z.shape) * jax.nn.silu(z.astype(_F32))
-    y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + 1e-6)
-    y = (y * self.norm_gain[...].astype(_F32)).astype(z.dtype)
+    y = (rms_normalize(y) * self.norm_gain[...].astype(_F32)).astype(z.dtype)
     return y @ self.out_proj[...].astype(z.dtype)
 
   # --------------------------------------------------------------------------- API

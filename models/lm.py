@@ -19,11 +19,11 @@ from flax import nnx
 
 from models.attention import CausalAttention
 from models.block import FFNS, Block, make_ffn
+from models.impl import IMPLS
 from models.norm import RMSNorm
 from models.partitioning import constrain
 
 MIXERS = ("attention", "frac", "mamba2")
-IMPLS = ("pallas", "xla", "reference")
 
 
 def make_mixer(kind: str, d_model: int, num_heads: int, *, context: int, impl: str, dtype,

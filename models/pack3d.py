@@ -10,11 +10,10 @@ from flax import nnx
 
 from jaxops import pack3d as pack3d_ops
 from jaxops import rope
+from models.impl import Impl, check_impl
 from pallas_kernels import pack3d_attention as pack3d_kernel
 
-Impl = Literal["pallas", "xla", "reference"]
 Position = Literal["axial_rope", "learned_packed", "rope_packed", "none"]
-_IMPLS = ("pallas", "xla", "reference")
 _POSITIONS = ("axial_rope", "learned_packed", "rope_packed", "none")
 
 
@@ -51,8 +50,7 @@ class Pack3DAttention(nnx.Module):
       raise ValueError(f"Pack3DAttention: d_model ({d_model}) must be divisible by num_heads"
                        f" ({num_heads})")
     head_dim = d_model // num_heads
-    if impl not in _IMPLS:
-      raise ValueError(f"Pack3DAttention: `impl` must be one of {_IMPLS}, got {impl!r}")
+    check_impl("Pack3DAttention", impl)
     if position not in _POSITIONS:
       raise ValueError(f"Pack3DAttention: `position` must be one of {_POSITIONS}, got {position!r}")
     if position == "axial_rope" and head_dim % 6:

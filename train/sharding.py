@@ -39,10 +39,6 @@ def make_mesh(mesh_config) -> Mesh:
   return Mesh(devices, MESH_AXES)
 
 
-def batch_size_divisor(mesh: Mesh) -> int:
-  return math.prod(mesh.shape[a] for a in BATCH_AXES)
-
-
 def param_shardings(model, params, mesh: Mesh):
   """NamedShardings (same tree as `params` = nnx.state(model, nnx.Param)) from the logical axes."""
   axes = param_logical_axes(model)

@@ -90,9 +90,10 @@ def check_config(config) -> None:
     raise ValueError(f"config.compute_dtype must be one of {tuple(COMPUTE_DTYPES)}, "
                      f"got {config.compute_dtype!r}")
   shape = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(config.mesh, jax.device_count())))
-  if config.batch_size % (shape["data"] * shape["fsdp"]):
+  divisor = math.prod(shape[a] for a in sharding.BATCH_AXES)
+  if config.batch_size % divisor:
     raise ValueError(f"config.batch_size ({config.batch_size}) must be divisible by "
-                     f"config.mesh.data * config.mesh.fsdp = {shape['data'] * shape['fsdp']}")
+                     f"config.mesh.data * config.mesh.fsdp = {divisor}")
   optim.check_optim_config(config.optim)
 
 

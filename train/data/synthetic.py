@@ -10,8 +10,8 @@ functions of (seed, stream, index). Token ids: 0 = blank, 1 = separator, data to
 - Lag recall: a random data sequence; the first token names the lag (one of the log-spaced
   lags 1, 2, 4, ... < L / 2); from position `lag` on, the target is the input `lag` steps back.
 - Selective copying: `num_tokens` data tokens scattered at random positions among blanks in
-  the first L - num_tokens - 1 positions, a separator, then blanks during which the model must
-  emit the data tokens in order.
+  the first L - num_tokens positions, a separator at position L - num_tokens, then blanks;
+  from the separator on, the model must emit the data tokens in order.
 """
 
 from __future__ import annotations
