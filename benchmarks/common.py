@@ -7,20 +7,34 @@ import time
 import jax
 import jax.numpy as jnp
 
+_COMPILED = {}
+
+
+def compiled(fn, *args):
+  """jit(fn) compiled for the shapes and dtypes of args (arrays or ShapeDtypeStructs).
+
+  Memoized, so measuring a function's memory and then its time compiles it once.
+  """
+  leaves, tree = jax.tree.flatten(args)
+  key = (fn, tree, tuple((x.shape, jnp.dtype(x.dtype)) for x in leaves))
+  if key not in _COMPILED:
+    _COMPILED[key] = jax.jit(fn).lower(*args).compile()
+  return _COMPILED[key]
+
 
 def temp_bytes(fn, *args) -> int:
   """XLA's compiled temp allocation for jit(fn)(*args): activation memory on CPU."""
-  return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+  return compiled(fn, *args).memory_analysis().temp_size_in_bytes
 
 
 def wall_seconds(fn, *args, repeats: int = 3) -> float:
   """Best of `repeats` wall times of jit(fn)(*args) after one warm-up call."""
-  compiled = jax.jit(fn).lower(*args).compile()
-  jax.block_until_ready(compiled(*args))
+  compiled_fn = compiled(fn, *args)
+  jax.block_until_ready(compiled_fn(*args))
   best = float("inf")
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
+    jax.block_until_ready(compiled_fn(*args))
     best = min(best, time.perf_counter() - start)
   return best
 
