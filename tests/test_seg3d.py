@@ -1,10 +1,6 @@
 """Pack3DSegmenter, UNet3D and the 3D segmentation training binary."""
 
 import functools
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +14,7 @@ from models.unet3d import UNet3D, param_count, unet3d_matching
 from train import seg3d_task, trainer
 from train.data import volumes
 from train.metrics import read_metrics
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
+from tests import binaries
 
 RNGS = lambda: nnx.Rngs(jax.random.key(0, impl="rbg"))   # fast-compiling init
 
@@ -85,11 +79,7 @@ def test_bad_config_names_the_field(field, value, message):
 
 
 def test_binary_one_step(tmp_path):
-  cmd = [sys.executable, "-m", "train.train_seg3d", "--config=configs/seg3d_smoke.py",
-         "--config.steps=1", f"--workdir={tmp_path}"]
-  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert out.returncode == 0, out.stderr[-3000:]
+  binaries.run_one_step("train.train_seg3d", "configs/seg3d_smoke.py", tmp_path)
   assert (tmp_path / "checkpoints" / "1").is_dir() and (tmp_path / "loss.png").exists()
   assert "eval_dice" in read_metrics(tmp_path / "metrics.jsonl")[-1]
 

@@ -2,10 +2,7 @@
 
 import dataclasses
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +12,7 @@ import pytest
 from configs import lm_smoke
 from train import lm_task, trainer
 from train.metrics import read_metrics
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
+from tests import binaries
 
 @pytest.fixture(scope="module", autouse=True)
 def compilation_cache(tmp_path_factory):
@@ -142,11 +137,7 @@ def test_bad_config_fails_before_compiling_naming_the_field(tmp_path, field, val
 
 
 def test_binary_one_step(tmp_path):
-  cmd = [sys.executable, "-m", "train.train_lm", "--config=configs/lm_smoke.py",
-         "--config.steps=1", f"--workdir={tmp_path}"]
-  out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert out.returncode == 0, out.stderr[-3000:]
+  out = binaries.run_one_step("train.train_lm", "configs/lm_smoke.py", tmp_path)
   assert "sample" in out.stdout and str(tmp_path) in out.stdout
   assert (tmp_path / "checkpoints" / "1").is_dir() and (tmp_path / "loss.png").exists()
   assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] > 0
