@@ -16,6 +16,7 @@ from train.data import volumes
 from train.metrics import read_metrics
 from tests import binaries
 
+
 RNGS = lambda: nnx.Rngs(jax.random.key(0, impl="rbg"))   # fast-compiling init
 
 

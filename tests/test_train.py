@@ -14,6 +14,7 @@ from train import lm_task, trainer
 from train.metrics import read_metrics
 from tests import binaries
 
+
 @pytest.fixture(scope="module", autouse=True)
 def compilation_cache(tmp_path_factory):
   """Runs of the same config compile the same programs: cache them for this module."""
