@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,16 +30,44 @@ def assert_lowers_to_kernels(fn, platform: str, *args, count: int) -> None:
   assert found == count, f"{platform}: expected {count} kernel calls, found {found}"
 
 
-def race_params():
-  """Interpret params that detect races and fill uninitialized memory with NaN."""
+def race_params(cores: int = 2, seed: int = 0):
+  """TPU-interpreter params that detect races and fill uninitialized memory with NaN.
+
+  `cores` simulated cores (threads) split each kernel's "parallel" grid axes between them
+  (points in an order shuffled by `seed`): with one core every grid step runs in sequence,
+  so a race between grid steps cannot show.
+  """
   from jax.experimental.pallas import tpu as pltpu
-  return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+  return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
+                               num_cores_or_threads=cores, random_seed=seed)
 
 
-def assert_no_races() -> None:
-  """Call after running a kernel with `race_params()`."""
-  assert tpu_interpret.races is not None, "race detection did not run"
-  assert not tpu_interpret.races.races_found, "the kernel has a data race"
+@contextlib.contextmanager
+def races_checked(*, kernels: int):
+  """Race-checks every kernel interpreted with `race_params()` inside the `with` block.
+
+  The interpreter keeps one race-detection record per kernel launch and drops it when the
+  next kernel starts, so reading it after a forward + backward sees the last kernel only.
+  This records each launch's record and, on exit, asserts that exactly `kernels` kernels
+  ran (so a check cannot pass by running none) and that none of them raced. Run the
+  computation to completion (e.g. `jax.block_until_ready`) inside the block.
+  """
+  records = []
+  make = tpu_interpret.RaceDetectionState
+
+  def recording(*args, **kwargs):
+    records.append(make(*args, **kwargs))
+    return records[-1]
+
+  tpu_interpret.RaceDetectionState = recording
+  try:
+    yield records
+  finally:
+    tpu_interpret.RaceDetectionState = make
+  assert len(records) == kernels, (
+      f"expected {kernels} race-checked kernel launches, saw {len(records)}")
+  raced = [i for i, r in enumerate(records) if r.races_found]
+  assert not raced, f"kernel launch(es) {raced} of {kernels} (in run order) have a data race"
 
 
 def assert_close(actual, expected, *, rtol: float, name: str = "") -> None:
