@@ -81,6 +81,30 @@ def assert_close(actual, expected, *, rtol: float, name: str = "") -> None:
   assert err <= rtol * scale, f"{name}: max error {err:.3g} > {rtol} * {scale:.3g}"
 
 
+def relative_error(actual, expected) -> float:
+  """max|actual - expected| / max|expected|, in float32."""
+  actual = np.asarray(jnp.asarray(actual, jnp.float32))
+  expected = np.asarray(jnp.asarray(expected, jnp.float32))
+  return float(np.max(np.abs(actual - expected))) / max(float(np.max(np.abs(expected))), 1e-6)
+
+
+# A bf16 kernel may be this much worse than the XLA path on the same bf16 inputs (plus
+# BF16_FLOOR, relative to max|reference|): rounding alone puts both near 1e-3..1e-2, so a
+# fixed bf16 tolerance of a few 1e-2 would hide a kernel bug as large as the rounding.
+BF16_FACTOR, BF16_FLOOR = 3.0, 1e-4
+
+
+def assert_bf16_close_to_baseline(actuals, baselines, expected, names) -> None:
+  """For each output: error(actual) <= BF16_FACTOR * error(baseline) + BF16_FLOOR, both
+  errors measured against the float32 reference `expected` on the same (bf16) inputs."""
+  for name, a, base, e in zip(names, actuals, baselines, expected, strict=True):
+    assert np.all(np.isfinite(np.asarray(jnp.asarray(a, jnp.float32)))), f"{name}: non-finite"
+    err, err_base = relative_error(a, e), relative_error(base, e)
+    bound = BF16_FACTOR * err_base + BF16_FLOOR
+    assert err <= bound, (f"{name}: bf16 error {err:.3g} > {BF16_FACTOR} x the XLA path's "
+                          f"{err_base:.3g} + {BF16_FLOOR}")
+
+
 def assert_grads_close(grads, grads_ref, args, names, *, rtol: float) -> None:
   """Each gradient has its input's shape and dtype and is close to the reference one."""
   for name, g, g_ref, a in zip(names, grads, grads_ref, args, strict=True):

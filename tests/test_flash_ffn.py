@@ -21,7 +21,9 @@ from tests import kernel_checks
 B, L, H, D_H, E, D_E = 2, 77, 2, 16, 3, 24
 SMALL_BLOCKS = dict(block_q=32, block_inter=16, block_q_dkv=64)
 MOSAIC_BLOCKS = dict(block_q=128, block_inter=16, block_q_dkv=128)  # tokens: lanes
-TOL = {jnp.float32: 5e-5, jnp.bfloat16: 3e-2}  # relative to max|reference|
+# Relative to max|reference|. bf16: the XLA path's bound (measured 3.5e-3..1.1e-2); the
+# kernels are held to 3x the XLA path's own error on the same inputs (kernel_checks).
+TOL = {jnp.float32: 5e-5, jnp.bfloat16: 1.5e-2}
 
 PATHS = {
     "xla": functools.partial(ops.mhffn, chunk=16),
@@ -58,6 +60,14 @@ def check_against_reference(path, dtype, shape=(B, L, H, D_H, E, D_E)):
   out_ref, grads_ref = _compiled("reference")(*(a.astype(jnp.float32) for a in args))
   out, grads = _compiled(path)(*args)
   assert out.dtype == dtype and out.shape == args[0].shape
+  if dtype == jnp.bfloat16 and path != "xla":
+    for name, g, a in zip("qrkuv", grads, args):
+      assert g.shape == a.shape and g.dtype == a.dtype, f"d{name}: {g.shape} {g.dtype}"
+    out_xla, grads_xla = _compiled("xla")(*args)
+    kernel_checks.assert_bf16_close_to_baseline(
+        (out, *grads), (out_xla, *grads_xla), (out_ref, *grads_ref),
+        ["o", "dq", "dr", "dk", "du", "dv"])
+    return
   kernel_checks.assert_close(out, out_ref, rtol=TOL[dtype], name="o")
   kernel_checks.assert_grads_close(grads, grads_ref, args, "qrkuv", rtol=TOL[dtype])
 

@@ -15,7 +15,9 @@ from tests import kernel_checks
 
 # L = 45 is not a multiple of the chunk (16); P, N, M are not powers of two.
 BT, L, H, P, N, M, CHUNK = 2, 45, 2, 12, 6, 3, 16
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}  # relative to max|reference|
+# Relative to max|reference|. bf16: the XLA path's bound (measured 2e-7..1.9e-2, the
+# largest for d dt); the kernels are held to 3x the XLA path's own error (kernel_checks).
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2.5e-2}
 ARGNAMES = ("x", "dt", "b", "c", "rates", "weights", "initial_state")
 
 PATHS = {
@@ -60,6 +62,14 @@ def test_matches_reference_forward_and_gradients(path, dtype):
   (y, s), grads = _compiled(path)(*args)
   assert y.dtype == dtype and y.shape == (BT, L, H, P)
   assert s.dtype == jnp.float32 and s.shape == (BT, H, M, N, P)
+  if dtype == jnp.bfloat16 and path != "xla":
+    for name, g, a in zip(ARGNAMES, grads, args):
+      assert g.shape == a.shape and g.dtype == a.dtype, f"d{name}: {g.shape} {g.dtype}"
+    (y_xla, s_xla), grads_xla = _compiled("xla")(*args)
+    kernel_checks.assert_bf16_close_to_baseline(
+        (y, s, *grads), (y_xla, s_xla, *grads_xla), (y_ref, s_ref, *grads_ref),
+        ["y", "state", *(f"d{n}" for n in ARGNAMES)])
+    return
   kernel_checks.assert_close(y, y_ref, rtol=TOL[dtype], name="y")
   kernel_checks.assert_close(s, s_ref, rtol=TOL[dtype], name="state")
   kernel_checks.assert_grads_close(grads, grads_ref, args, ARGNAMES, rtol=TOL[dtype])

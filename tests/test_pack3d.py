@@ -20,7 +20,9 @@ from tests import kernel_checks
 FIELDS = ([(7, 5, 3), (3, 2, 5)], [(5, 3, 9)])
 BLOCK = (2, 2, 2)
 H, D = 2, 12
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}  # relative to max|reference|
+# Relative to max|reference|. bf16: the XLA path's bound (measured 2e-3..5.3e-3); the
+# kernels are held to 3x the XLA path's own error on the same inputs (kernel_checks).
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 KERNEL = dict(block_shape=BLOCK, interpret=True, block_summaries=16)  # 2 summary blocks
 
 
@@ -93,6 +95,13 @@ def test_matches_reference_forward_and_gradients(path, dtype):
   out_ref, grads_ref = _compiled("reference")(*(a.astype(jnp.float32) for a in args))
   out, grads = _compiled(path)(*args)
   assert out.dtype == dtype and out.shape == args[0].shape
+  if dtype == jnp.bfloat16 and path != "xla":
+    for name, g, a in zip("qkv", grads, args):
+      assert g.shape == a.shape and g.dtype == a.dtype, f"d{name}: {g.shape} {g.dtype}"
+    out_xla, grads_xla = _compiled("xla")(*args)
+    kernel_checks.assert_bf16_close_to_baseline(
+        (out, *grads), (out_xla, *grads_xla), (out_ref, *grads_ref), ["o", "dq", "dk", "dv"])
+    return
   kernel_checks.assert_close(out, out_ref, rtol=TOL[dtype], name="o")
   kernel_checks.assert_grads_close(grads, grads_ref, args, "qkv", rtol=TOL[dtype])
 
