@@ -51,7 +51,7 @@ class BlockSizes:
   chunk: int = 64
 
   @classmethod
-  def for_backend(cls, backend: Backend) -> "BlockSizes":
+  def for_backend(cls, backend: Backend, dtype=None) -> "BlockSizes":
     del backend  # one layout for both
     return cls()
 

@@ -61,7 +61,7 @@ class BlockSizes:
   block_summaries: int = 128
 
   @classmethod
-  def for_backend(cls, backend: Backend) -> "BlockSizes":
+  def for_backend(cls, backend: Backend, dtype=None) -> "BlockSizes":
     return cls(block_summaries=64) if backend == "triton" else cls()
 
 

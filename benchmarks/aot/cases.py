@@ -1,0 +1,124 @@
+"""What the compile check compiles: each kernel's forward and gradient at real shapes.
+
+A case is one op at one shape, direction ("fwd": the kernel's output; "grad": the
+output and the VJP of every differentiable input, so forward and backward kernels) and
+dtype. Shapes are the paper's and the configs' (the ones a user runs):
+
+  flash_ffn  370m   the paper's 370M layer, 16k tokens: B=1 L=16384 H=8 d_h=128 E=11 d_e=256
+             lm     configs/lm_default.py: B=8 L=128 H=4 d_h=32 E=2 d_e=64
+             seg3d  configs/seg3d_cells.py: B=8 L=3072 H=4 d_h=24 E=2 d_e=64
+  pack3d     65k    one 64x32x32 grid per entry, B=2 N=65536 H=2 D=48, traced coords
+             seg3d  configs/seg3d_cells.py: B=8 N=3072 H=4 D=24, traced coords
+  frac_scan  16k    B=1 L=16384 H=4 P=64 N=16 M=16
+             lm     configs/lm_default.py: B=8 L=128 H=4 P=32 N=16 M=default(128)=12
+
+`oversized` cases ask for blocks no chip can hold; the check expects them to FAIL (the
+proof that a kernel that does not fit is caught).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  op: str
+  shape: str
+  direction: str          # "fwd" or "grad"
+  dtype: str              # "float32" or "bfloat16"
+  blocks: tuple = ()      # block-size overrides, (name, value) pairs
+  expect_failure: bool = False
+
+  @property
+  def name(self) -> str:
+    extra = "+" + ",".join(f"{k}={v}" for k, v in self.blocks) if self.blocks else ""
+    return f"{self.op}/{self.shape}/{self.direction}/{self.dtype}{extra}"
+
+  @property
+  def kernel_prefix(self) -> str:
+    return {"flash_ffn": "flash_ffn", "pack3d": "pack3d", "frac_scan": "frac_scan"}[self.op]
+
+
+SHAPES = {
+    "flash_ffn": {"370m": dict(b=1, l=16384, h=8, d=128, e=11, f=256),
+                  "lm": dict(b=8, l=128, h=4, d=32, e=2, f=64),
+                  "seg3d": dict(b=8, l=3072, h=4, d=24, e=2, f=64)},
+    "pack3d": {"65k": dict(b=2, grid=(64, 32, 32), h=2, d=48),
+               "seg3d": dict(b=8, grid=(12, 16, 16), h=4, d=24)},
+    "frac_scan": {"16k": dict(b=1, l=16384, h=4, p=64, n=16, m=16),
+                  "lm": dict(b=8, l=128, h=4, p=32, n=16, m=12)},
+}
+
+# Blocks far beyond any chip's on-chip memory, one per backend's limiting resource.
+OVERSIZED = {
+    "tpu": Case("flash_ffn", "370m", "fwd", "float32", (("block_q", 8192),), True),
+    "gpu": Case("flash_ffn", "370m", "fwd", "float32",
+                (("block_q", 256), ("block_inter", 256)), True),
+}
+
+
+def parse(name: str) -> Case:
+  """The inverse of `Case.name` ("op/shape/direction/dtype[+block=value,...]")."""
+  base, _, extra = name.partition("+")
+  op, shape, direction, dtype = base.split("/")
+  blocks = tuple((k, int(v)) for k, v in (kv.split("=") for kv in extra.split(",") if kv))
+  expect_failure = any(c.name == name and c.expect_failure for c in OVERSIZED.values())
+  return Case(op, shape, direction, dtype, blocks, expect_failure)
+
+
+def all_cases(kind: str, ops=None) -> list[Case]:
+  """Every shape x direction x dtype of the given ops, plus the target kind's oversized case."""
+  cases = [Case(op, shape, direction, dtype)
+           for op, shapes in SHAPES.items() if ops is None or op in ops
+           for shape in shapes for direction in ("fwd", "grad")
+           for dtype in ("float32", "bfloat16")]
+  return cases + [OVERSIZED[kind]]
+
+
+def build(case: Case, kind: str):
+  """(fn, [(shape, dtype), ...]): the jittable function and its argument specs.
+
+  Block-size overrides go to the target kind's backend only (with backend=None, both
+  platform branches are traced, and a Triton tile need not suit Mosaic)."""
+  import jax
+  import jax.numpy as jnp
+
+  dtype = jnp.dtype(case.dtype)
+  blocks = dict(case.blocks)
+  if blocks:
+    blocks["backend"] = {"tpu": "mosaic", "gpu": "triton"}[kind]
+  s = SHAPES[case.op][case.shape]
+  if case.op == "flash_ffn":
+    from pallas_kernels.flash_ffn import mhffn
+    table = (s["h"], s["e"], s["f"], s["d"])
+    specs = [((s["b"], s["l"], s["h"], s["d"]), dtype), ((s["b"], s["l"], s["h"], s["e"]), dtype),
+             (table, dtype), (table, dtype), (table, dtype)]
+    op, num_diff = (lambda *a: mhffn(*a, **blocks)), 5
+  elif case.op == "pack3d":
+    from pallas_kernels.pack3d_attention import pack3d_attention
+    n = math.prod(s["grid"])
+    x = ((s["b"], n, s["h"], s["d"]), dtype)
+    specs = [x, x, x, ((s["b"], n, 3), jnp.int32), ((s["b"], n), jnp.int32)]
+    cubes = math.prod(-(-g // 4) for g in s["grid"])
+    op = lambda q, k, v, coords, ids: pack3d_attention(q, k, v, coords, ids, max_cubes=cubes,
+                                                       **blocks)
+    num_diff = 3
+  else:
+    from pallas_kernels.frac_scan import frac_scan
+    tok = (s["b"], s["l"], s["h"])
+    specs = [(tok + (s["p"],), dtype), (tok, jnp.float32), (tok + (s["n"],), dtype),
+             (tok + (s["n"],), dtype), ((s["h"], s["m"]), jnp.float32),
+             ((s["h"], s["m"]), jnp.float32)]
+    op, num_diff = (lambda *a: frac_scan(*a, **blocks)[0]), 6
+
+  if case.direction == "fwd":
+    return op, specs
+
+  def grad(*args):
+    diff, rest = args[:num_diff], args[num_diff:]
+    out, vjp = jax.vjp(lambda *d: op(*d, *rest), *diff)
+    return out, vjp(out)
+
+  return grad, specs

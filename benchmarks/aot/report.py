@@ -1,0 +1,68 @@
+"""Parsers for what the backend compilers report about each Pallas kernel.
+
+- ptxas -v (GPU; on stderr when TF_CPP_VMODULE=subprocess_compilation=3): registers per
+  thread, spill stores/loads and stack frame bytes, ptxas time, per entry function.
+- XLA GPU dump `*thunk_sequence.txt`: shared memory per kernel launch.
+- XLA TPU dump `*after_codegen.txt`: the scoped VMEM each Mosaic custom call uses.
+Kernels are named by the `name=` given to `pl.pallas_call`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_TIME = re.compile(r"Compile time = ([\d.]+) ms")
+_THUNK = re.compile(r"\] (\S+) grid: \[[^\]]*\] threads: \[[^\]]*\]\s+shared_memory: (\d+) bytes")
+_TPU_CALL = re.compile(r"%([\w.-]+) = .*custom_call_target=\"tpu_custom_call\"")
+_SCOPED = re.compile(r"\"used_scoped_memory_configs\":\[([^\]]*)\]")
+_SIZE = re.compile(r"\"size\":\"(\d+)\"")
+_REQUESTED = re.compile(r"requested (\d+)")
+
+
+def ptxas(text: str) -> dict:
+  """{entry function: {registers, stack, spill_stores, spill_loads, ptxas_ms}} from ptxas -v."""
+  kernels, current = {}, None
+  for line in text.splitlines():
+    if m := _PTXAS_ENTRY.search(line):
+      current = kernels.setdefault(m.group(1), {})
+    elif current is None:
+      continue
+    elif m := _PTXAS_FRAME.search(line):
+      current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)),
+                     spill_loads=int(m.group(3)))
+    elif m := _PTXAS_REGS.search(line):
+      current["registers"] = int(m.group(1))
+    elif m := _PTXAS_TIME.search(line):
+      current["ptxas_ms"] = float(m.group(1))
+  return kernels
+
+
+def gpu_shared_memory(dump: pathlib.Path) -> dict:
+  """{kernel: shared memory bytes per block} from the XLA dump's thunk sequences."""
+  out = {}
+  for path in dump.glob("*thunk_sequence*.txt"):
+    for m in _THUNK.finditer(path.read_text()):
+      out[m.group(1)] = max(out.get(m.group(1), 0), int(m.group(2)))
+  return out
+
+
+def tpu_scoped_vmem(dump: pathlib.Path) -> dict:
+  """{kernel: scoped VMEM bytes} for every Mosaic custom call in the TPU dump."""
+  out = {}
+  for path in dump.glob("*after_codegen.txt"):
+    for line in path.read_text().splitlines():
+      if (call := _TPU_CALL.search(line)) and (scoped := _SCOPED.search(line)):
+        name = re.sub(r"\.\d+$", "", call.group(1))
+        size = sum(int(s) for s in _SIZE.findall(scoped.group(1)))
+        out[name] = max(out.get(name, 0), size)
+  return out
+
+
+def requested_shared_memory(error: str) -> int | None:
+  """The shared memory a failing GPU kernel asked for, from XLA's error message."""
+  m = _REQUESTED.search(error)
+  return int(m.group(1)) if m else None

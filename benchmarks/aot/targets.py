@@ -1,0 +1,68 @@
+"""The chips the kernels must compile for, and how to describe each one without hardware.
+
+TPU: `jax.experimental.topologies.get_topology_desc` with libtpu installed builds a
+topology from its name; a 1x1 topology is rejected, so a 2x2 one is made and one chip used.
+GPU: XLA's `GpuTargetConfig` text protos (copied from openxla/xla
+`xla/backends/gpu/target_config/specs`, less one field jaxlib 0.10.2 does not parse) give
+the CUDA plugin the device it compiles for; `shared_memory_per_block_optin` is the
+per-block shared-memory limit a kernel must fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+_SPECS = pathlib.Path(__file__).parent / "targets"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  name: str
+  kind: str          # "tpu" or "gpu"
+  spec: str          # TPU topology name, or the GPU target-config file name
+  # The per-kernel on-chip memory limit the compiler enforces: shared memory per block
+  # (GPU); default scoped VMEM (TPU; raise it with CompilerParams(vmem_limit_bytes=...)).
+  on_chip_limit: int
+
+  @property
+  def venv(self) -> str:
+    """The virtualenv that holds this kind's compiler (see the Makefile)."""
+    return f".venv-aot-{self.kind}"
+
+
+TARGETS = {t.name: t for t in (
+    Target("tpu-v5e", "tpu", "v5e:2x2", 16 * 2**20),
+    Target("tpu-v6e", "tpu", "v6e:2x2", 32 * 2**20),
+    Target("gpu-a100", "gpu", "a100_sxm_80.txtpb", 166_912),
+    Target("gpu-h100", "gpu", "h100_sxm.txtpb", 232_448),
+    Target("gpu-h200", "gpu", "h200.txtpb", 232_448),
+)}
+
+
+def environment(target: Target) -> dict:
+  """Environment variables the worker needs before it imports jax."""
+  env = {"JAX_PLATFORMS": "cpu"}
+  if target.kind == "tpu":
+    env["TPU_SKIP_MDS_QUERY"] = "1"       # no GCE metadata server to wait for
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # several compiles at once (no chip to share)
+  else:
+    env["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"   # no CUDA driver to check
+    env["TF_CPP_MIN_LOG_LEVEL"] = "0"              # ptxas -v report on stderr
+    env["TF_CPP_VMODULE"] = "subprocess_compilation=3"
+  return env
+
+
+def device_mesh(target: Target):
+  """A one-chip jax Mesh on the described target (call inside the target's venv)."""
+  import numpy as np
+  from jax.experimental import topologies
+  from jax.sharding import Mesh
+
+  if target.kind == "tpu":
+    topo = topologies.get_topology_desc(topology_name=target.spec, platform="tpu")
+  else:
+    config = (_SPECS / target.spec).read_text()
+    topo = topologies.get_topology_desc(target.spec.split(".")[0], "cuda",
+                                        target_config=config, topology="1x1x1")
+  return Mesh(np.array(topo.devices[:1]), ("chip",))

@@ -1,0 +1,96 @@
+"""Fused multi-head FFN (FlashFFN) as Pallas kernels, forward and backward.
+
+Math and shapes: `jaxops.flash_ffn` (the reference this kernel is tested against). The
+kernels never write the d_ff-wide intermediate to HBM: for one head and one tile of
+tokens they walk the reduction axis (expert e, d_e tile c) keeping a [tokens, d_h]
+float32 accumulator on chip (tile math in `tiles.py`). Backward recomputes the tile from
+(q, r, K, U, V) and the output cotangent: one kernel over token tiles gives dq and dr,
+one over (e, c) tiles loops over all tokens for dK, dU, dV.
+
+Files: `blocks.py` (tile sizes and the per-chip tuned table), `tiles.py` (tile math and
+the tile plan, shared), `mosaic.py` (TPU: reductions on "arbitrary" grid axes with VMEM
+accumulators), `triton.py` (GPU: reductions as fori_loops inside each program).
+
+`mhffn` is the one public entry point. It dispatches with `jax.lax.platform_dependent`:
+Mosaic on TPU, Triton on GPU, the Mosaic kernel in interpret mode elsewhere (CPU). For
+the backward it keeps (q, r^T, K, U, V) with the router transposed to [H, E, T], tokens
+on the lane axis (see `tiles.py`), never the [T, H, E] form a TPU pads to 128 lanes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxops.flash_ffn import check_mhffn_inputs
+from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
+from pallas_kernels.flash_ffn import mosaic, triton
+from pallas_kernels.flash_ffn.blocks import TUNED, BlockSizes
+from pallas_kernels.flash_ffn.tiles import TilePlan
+
+__all__ = ["BlockSizes", "TUNED", "mhffn"]
+
+_KERNELS = {"mosaic": mosaic, "triton": triton}
+
+
+def _forward(backend: Backend, interpret, blocks: BlockSizes, q, r_t, k, u, v):
+  plan = TilePlan.make(backend, blocks, q, k)
+  o = _KERNELS[backend].forward(plan, plan.tokens_in(q), plan.router_in(r_t, plan.orient),
+                                *(plan.table_in(t) for t in (k, u, v)), interpret)
+  return plan.tokens_out(o, q)
+
+
+def _backward(backend: Backend, interpret, blocks: BlockSizes, q, r_t, k, u, v, ds):
+  plan = TilePlan.make(backend, blocks, q, k)
+  dq, dr, dk, du, dv = _KERNELS[backend].backward(
+      plan, plan.tokens_in(q), plan.router_in(r_t, plan.orient),
+      plan.router_in(r_t, plan.orient_dkuv), *(plan.table_in(t) for t in (k, u, v)),
+      plan.tokens_in(ds.astype(q.dtype)), interpret)
+  dr = plan.router_out(dr, q.shape[:3] + (k.shape[1],))   # same shape from every branch
+  return (plan.tokens_out(dq, q), dr, *(plan.table_out(t, k) for t in (dk, du, dv)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mhffn(q, r, k, u, v, cfg: KernelConfig):
+  return dispatch(_forward, cfg, q, TilePlan.router_t(r), k, u, v)
+
+
+def _mhffn_fwd(q, r, k, u, v, cfg):
+  r_t = TilePlan.router_t(r)
+  # r's dtype rides along in an empty array (residuals must be arrays).
+  return dispatch(_forward, cfg, q, r_t, k, u, v), (q, r_t, k, u, v, jnp.zeros((0,), r.dtype))
+
+
+def _mhffn_bwd(cfg, residuals, ds):
+  q, r_t, k, u, v, r_like = residuals
+  dq, dr, dk, du, dv = dispatch(_backward, cfg, q, r_t, k, u, v, ds)
+  return dq, dr.astype(r_like.dtype), dk, du, dv
+
+
+_mhffn.defvjp(_mhffn_fwd, _mhffn_bwd)
+
+
+def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **block_sizes):
+  """Fused multi-head FFN, differentiable in all five inputs.
+
+  Args:
+    q: [B, L, H, d_h] per-head inputs (float32 or bfloat16).
+    r: [B, L, H, E] normalized router weights.
+    k, u, v: [H, E, d_e, d_h] gate / up / down tables (q's dtype).
+    interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Triton);
+      True (or a `pltpu.InterpretParams`) interprets everywhere; False never interprets.
+    backend: force one lowering ("mosaic" or "triton"); with `interpret` this runs the
+      other platform's kernel body on CPU.
+    **block_sizes: overrides of `BlockSizes` fields (block_q, block_inter, block_q_dkv,
+      num_warps, num_warps_dkv, num_stages); the defaults come from `TUNED` for the chip
+      and dtype.
+
+  Returns:
+    o: [B, L, H, d_h] in q.dtype; matmuls in the input dtype with float32 accumulation.
+  """
+  check_mhffn_inputs(q, r, k, u, v)
+  cfg = KernelConfig.make("mhffn", BlockSizes, backend=backend, interpret=interpret,
+                          block_sizes=block_sizes)
+  return _mhffn(q, r, k, u, v, cfg)

@@ -1,0 +1,53 @@
+"""FlashFFN tile sizes: the dataclass and the per-chip tuned table.
+
+Each entry is compiled for its chip by `make compile-check` (benchmarks/aot) at the
+paper's 370M shape with 16k tokens and at the configs' shapes: it must fit VMEM / shared
+memory, spill at most 1 KiB of registers on GPU and compile in under a minute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.dispatch import Backend, tuned
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes of the three kernels; upper bounds (small problems use smaller tiles).
+
+  block_q: tokens per tile of the forward and dq kernels. Mosaic: a multiple of 128
+    (tokens are the lane axis of the router block) unless one tile holds every token.
+  block_inter: d_e columns per (expert, d_e tile) step of the reduction; the dK/dU/dV
+    kernel owns one such tile per program.
+  block_q_dkv: tokens per step of the dK/dU/dV kernel's token loop (same rule as block_q).
+  num_warps, num_stages: Triton launch parameters per kernel (ignored by Mosaic).
+  """
+
+  block_q: int = 256
+  block_inter: int = 256
+  block_q_dkv: int = 256
+  num_warps: int = 4
+  num_warps_dkv: int = 4
+  num_stages: int = 2
+
+  @classmethod
+  def for_backend(cls, backend: Backend, dtype) -> "BlockSizes":
+    return tuned(TUNED, backend, dtype, TUNED[backend, None, "float32"])
+
+
+# Triton: register-file sized. The dK/dU/dV kernel carries three [block_inter, d_h] float32
+# accumulators, so it gets 8 warps; larger tiles spill at d_h = 128 (measured with ptxas).
+_TRITON_F32 = BlockSizes(block_q=32, block_inter=32, block_q_dkv=32, num_warps=4,
+                         num_warps_dkv=8, num_stages=2)
+_TRITON_BF16 = BlockSizes(block_q=64, block_inter=32, block_q_dkv=64, num_warps=4,
+                          num_warps_dkv=8, num_stages=2)
+
+# (backend, chip or None for any, dtype) -> BlockSizes. None entries fit the smallest chip.
+TUNED = {
+    ("mosaic", None, "float32"): BlockSizes(block_q=256, block_inter=256, block_q_dkv=256),
+    ("mosaic", None, "bfloat16"): BlockSizes(block_q=512, block_inter=256, block_q_dkv=512),
+    ("mosaic", "tpu-v6e", "float32"): BlockSizes(block_q=512, block_inter=256, block_q_dkv=512),
+    ("triton", None, "float32"): _TRITON_F32,
+    ("triton", None, "bfloat16"): _TRITON_BF16,
+}

@@ -1,0 +1,241 @@
+"""FlashFFN tile math and tile plan, shared by the Mosaic and Triton kernels.
+
+For one head, a tile of `bq` tokens q [bq, d_h] and one (expert e, d_e tile) of `bi`
+rows of the tables K, U, V [bi, d_h]:
+
+  m = q K^T ,  n = q U^T ,  a = silu(m) * n          [bq, bi]
+  o += (r_e a) V                                     [bq, d_h]
+
+Backward, recomputing m, n from (q, r, K, U, V) and the output cotangent ds:
+
+  da = ds V^T ;  dr_e = rowsum(da * a)
+  dm = r_e da n silu'(m) ;  dn = r_e da silu(m)       silu'(x) = sig(x)(1 + x(1 - sig(x)))
+  dq += dm K + dn U                                  (kernel over token tiles)
+  dK += dm^T q ;  dU += dn^T q ;  dV += (r_e a)^T ds  (kernel over (e, d_e tile))
+
+`Orientation` computes each tile either way round ([bq, bi] or its transpose, see there):
+Mosaic keeps tokens on the lane axis so the router can stay lane-dense.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxops.tiling import dot, dot_nt, dot_tn, next_pow2, round_up
+from pallas_kernels.dispatch import Backend
+from pallas_kernels.flash_ffn.blocks import BlockSizes
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Orientation:
+  """Which way round a tile is computed.
+
+  transposed=True (Mosaic): tiles are [bi, bq] with tokens on the lane axis and the
+  router block is [E, bq]; its row e broadcasts over a tile, and the router can live as
+  [H, E, T] in HBM (a TPU pads the minor dim to 128 lanes, so [T, H, E] with E=11 would
+  take 11.6x its size).
+  transposed=False (Triton): tiles are [bq, bi], the router block is [bq, E] and its column
+  e broadcasts. GPUs do not pad, and this way no register value is ever transposed (each
+  transpose costs a round trip through shared memory and registers in Triton).
+  """
+
+  transposed: bool
+
+  def scores(self, x, w):
+    """Tile of x w^T: x [bq, d] tokens, w [bi, d] table rows."""
+    return dot_nt(w, x) if self.transposed else dot_nt(x, w)
+
+  def to_tokens(self, a, w):
+    """a^T w (transposed) or a w: tile [.., ..], w [bi, d] -> [bq, d]."""
+    return dot_tn(a, w) if self.transposed else dot(a, w)
+
+  def to_table(self, a, x):
+    """a x (transposed) or a^T x: tile, x [bq, d] -> [bi, d]."""
+    return dot(a, x) if self.transposed else dot_tn(a, x)
+
+  def per_token_sum(self, a):
+    """Sum over the table axis of a tile, keeping the router block's token orientation."""
+    return jnp.sum(a, axis=0 if self.transposed else 1, keepdims=True)
+
+  def _expert_axis(self):
+    return 0 if self.transposed else 1
+
+  def router_weights(self, r, e):
+    """Weights of expert e from a router block r ([E, bq] or [bq, E]) as a float32 row
+    [1, bq] or column [bq, 1], for a traced e (a masked sum: lowers in Mosaic and Triton)."""
+    ids = jax.lax.broadcasted_iota(jnp.int32, r.shape, self._expert_axis())
+    return jnp.sum(jnp.where(ids == e, r.astype(_F32), 0.0), axis=self._expert_axis(),
+                   keepdims=True)
+
+  def onehot(self, e, shape):
+    """A float32 router-block mask selecting expert e."""
+    return (jax.lax.broadcasted_iota(jnp.int32, shape, self._expert_axis()) == e).astype(_F32)
+
+  # The tile math itself.
+
+  def forward(self, q, r_e, k, u, v):
+    """One (expert, d_e tile)'s contribution to the output, [bq, d_h] float32."""
+    m, n = self.scores(q, k), self.scores(q, u)
+    a = m * jax.nn.sigmoid(m) * n * r_e
+    return self.to_tokens(a.astype(v.dtype), v)
+
+  def _recompute(self, q, r_e, ds, k, u, v):
+    """(a, da, dm, dn) of one tile, float32."""
+    m, n = self.scores(q, k), self.scores(q, u)
+    sig = jax.nn.sigmoid(m)
+    silu = m * sig
+    da = self.scores(ds, v)
+    g = r_e * da
+    return silu * n, da, g * n * sig * (1.0 + m * (1.0 - sig)), g * silu
+
+  def dq_dr(self, q, r_e, ds, k, u, v):
+    """(dq [bq, d_h], dr_e per token) of one (expert, d_e tile), float32."""
+    a, da, dm, dn = self._recompute(q, r_e, ds, k, u, v)
+    dq = self.to_tokens(dm.astype(k.dtype), k) + self.to_tokens(dn.astype(u.dtype), u)
+    return dq, self.per_token_sum(da * a)
+
+  def dkuv(self, q, r_e, ds, k, u, v):
+    """(dK, dU, dV) [bi, d_h] float32 of one token tile."""
+    a, _, dm, dn = self._recompute(q, r_e, ds, k, u, v)
+    return (self.to_table(dm.astype(q.dtype), q), self.to_table(dn.astype(q.dtype), q),
+            self.to_table((r_e * a).astype(ds.dtype), ds))
+
+
+# ----------------------------------------------------------------------------
+# The tile plan: fitted tile sizes, padded extents and array layouts. Token arrays
+# (q, ds, o, dq) are "flat" [T, H * d_h], a free reshape of [B, L, H, d_h] whose blocks
+# are (tokens, d_h) at column block h, where that block is legal (Mosaic: d_h % 128 == 0;
+# Triton: d_h a power of two), else head-major [H, T, d_h]. The router is [H, E, T]
+# (Mosaic) or [H, T, E_pad] (Triton), matching the orientation of the tiles.
+# Tables stay [H, E, d_e, d_h]. Inside the kernels every block is 2-D.
+# ----------------------------------------------------------------------------
+
+def _fit_tokens(backend: Backend, name: str, block: int, tokens: int) -> int:
+  if backend == "triton":  # power-of-two tiles, >= 16 for tl.dot
+    if block & (block - 1) or block < 16:
+      raise ValueError(f"mhffn: Triton block size `{name}` must be a power of two >= 16, "
+                       f"got {block}")
+    return min(block, next_pow2(tokens))
+  if round_up(tokens, 8) <= block:  # one tile holds every token: any multiple of 8
+    return round_up(tokens, 8)
+  if block % 128:
+    raise ValueError(f"mhffn: Mosaic block size `{name}` must be a multiple of 128 (tokens "
+                     f"are the router block's lane axis), got {block}")
+  return block
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+  """Fitted tile sizes, padded extents and token layout for one backend and problem."""
+
+  blocks: BlockSizes
+  heads: int
+  tokens: int        # padded to a multiple of both token tiles
+  d_h: int           # padded (Triton: a power of two)
+  experts: int       # the real E (the reduction runs over these only)
+  experts_pad: int   # rows of the router array (Triton: a power of two)
+  d_e: int           # padded to a multiple of block_inter
+  flat: bool
+  orient: Orientation        # forward and dq kernels
+  orient_dkuv: Orientation   # dK/dU/dV kernel
+
+  @classmethod
+  def make(cls, backend: Backend, blocks: BlockSizes, q, k) -> "TilePlan":
+    batch, length, heads, d_h = q.shape
+    experts, d_e = k.shape[1:3]
+    tokens = batch * length
+    bq = _fit_tokens(backend, "block_q", blocks.block_q, tokens)
+    bk = _fit_tokens(backend, "block_q_dkv", blocks.block_q_dkv, tokens)
+    if backend == "triton":
+      bi = min(blocks.block_inter, next_pow2(d_e))
+      if bi & (bi - 1):
+        raise ValueError(f"mhffn: Triton block size `block_inter` must be a power of two, "
+                         f"got {blocks.block_inter}")
+      padded_d_h, experts_pad = next_pow2(d_h), next_pow2(experts, minimum=1)
+      flat = padded_d_h == d_h
+    else:
+      bi = min(blocks.block_inter, d_e)
+      if bi % 8:
+        raise ValueError(f"mhffn: Mosaic block size `block_inter` must be a multiple of 8, "
+                         f"got {blocks.block_inter}")
+      padded_d_h, experts_pad, flat = d_h, experts, d_h % 128 == 0 or heads == 1
+    tile = max(bq, bk)
+    if tile % bq or tile % bk:
+      raise ValueError(f"mhffn: block_q ({bq}) and block_q_dkv ({bk}) must divide one another")
+    return cls(dataclasses.replace(blocks, block_q=bq, block_inter=bi, block_q_dkv=bk), heads,
+               round_up(tokens, tile), padded_d_h, experts, experts_pad, round_up(d_e, bi),
+               flat, Orientation(transposed=backend == "mosaic"), Orientation(transposed=True))
+
+  # Array layout in and out of the kernels.
+
+  def tokens_in(self, x):
+    """q-like [B, L, H, d_h] -> kernel layout, zero-padded."""
+    b, l, h, width = x.shape
+    x = jnp.pad(x.reshape(b * l, h, width),
+                ((0, self.tokens - b * l), (0, 0), (0, self.d_h - width)))
+    return x.reshape(self.tokens, -1) if self.flat else jnp.moveaxis(x, 1, 0)
+
+  def tokens_out(self, x, like):
+    b, l, h, width = like.shape
+    x = x.reshape(self.tokens, h, self.d_h) if self.flat else jnp.moveaxis(x, 0, 1)
+    return x[:b * l, :, :width].reshape(like.shape)
+
+  @staticmethod
+  def router_t(r):
+    """r [B, L, H, E] -> float32 [H, E, T] (tokens last): the form kept for the backward."""
+    return jnp.transpose(r.reshape(-1, *r.shape[2:]), (1, 2, 0)).astype(_F32)
+
+  def router_in(self, r_t, orient: Orientation):
+    """[H, E, T] -> kernel layout: [H, E_pad, T_pad] or [H, T_pad, E_pad], zero-padded."""
+    r = jnp.pad(r_t, ((0, 0), (0, self.experts_pad - r_t.shape[1]),
+                      (0, self.tokens - r_t.shape[2])))
+    return r if orient.transposed else jnp.swapaxes(r, 1, 2)
+
+  def router_out(self, dr, shape):
+    """Kernel-layout dr -> [B, L, H, E]."""
+    b, l, h, e = shape
+    dr = dr if self.orient.transposed else jnp.swapaxes(dr, 1, 2)
+    return jnp.transpose(dr[:, :e, :b * l], (2, 0, 1)).reshape(shape)
+
+  def table_in(self, t):
+    return jnp.pad(t, ((0, 0), (0, 0), (0, self.d_e - t.shape[2]), (0, self.d_h - t.shape[3])))
+
+  @staticmethod
+  def table_out(t, like):
+    return t[:, :, :like.shape[2], :like.shape[3]]
+
+  def token_shape(self, dtype):
+    shape = ((self.tokens, self.heads * self.d_h) if self.flat
+             else (self.heads, self.tokens, self.d_h))
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+  def router_shape(self):
+    """dr from the dq kernel."""
+    rows = (self.experts_pad, self.tokens)
+    return jax.ShapeDtypeStruct((self.heads, *(rows if self.orient.transposed else rows[::-1])),
+                                _F32)
+
+  def table_shape(self, dtype):
+    return jax.ShapeDtypeStruct((self.heads, self.experts, self.d_e, self.d_h), dtype)
+
+  # Block specs; `where(*grid) -> (h, i)` or `(h, e, c)` picks the block.
+
+  def token_spec(self, rows: int, where):
+    if self.flat:
+      return pl.BlockSpec((rows, self.d_h), lambda *g: where(*g)[::-1])
+    return pl.BlockSpec((None, rows, self.d_h), lambda *g: (*where(*g), 0))
+
+  def router_spec(self, tokens: int, where, orient: Orientation):
+    if orient.transposed:
+      return pl.BlockSpec((None, self.experts_pad, tokens),
+                          lambda *g: (where(*g)[0], 0, where(*g)[1]))
+    return pl.BlockSpec((None, tokens, self.experts_pad), lambda *g: (*where(*g), 0))
+
+  def table_spec(self, rows: int, where):
+    return pl.BlockSpec((None, None, rows, self.d_h), lambda *g: (*where(*g), 0))
