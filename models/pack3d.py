@@ -33,8 +33,10 @@ class Pack3DAttention(nnx.Module):
 
   Args:
     impl: "pallas" (kernel), "xla" (cube-gather XLA path) or "reference" (dense).
-    merge: "joint" (one softmax over both branches) or "gated" (NSA-style: per-head
-      sigmoid gates from x weight two separately normalized branches; XLA/reference only).
+    merge: "joint" (one softmax over both branches), "gated" (NSA-style: per-head
+      sigmoid gates from x weight two separately normalized branches; XLA/reference only)
+      or "local" (the local branch alone, no far summaries: the local-only ablation;
+      computed as the gated merge with gates (1, 0), so it costs what "gated" does).
     rotate_summaries: "before" compression (default) or "after" (the ablation; axial_rope).
     max_cubes: cube slots when coords are traced (see `jaxops.pack3d`).
     dtype: compute dtype (params are cast to it); None uses the input's dtype.
@@ -60,10 +62,11 @@ class Pack3DAttention(nnx.Module):
       raise ValueError(f"Pack3DAttention: rope_packed needs an even head dim, got {head_dim}")
     if position == "learned_packed" and not max_len:
       raise ValueError("Pack3DAttention: position='learned_packed' needs `max_len`")
-    if merge not in ("joint", "gated"):
-      raise ValueError(f"Pack3DAttention: `merge` must be 'joint' or 'gated', got {merge!r}")
-    if merge == "gated" and impl == "pallas":
-      raise ValueError("Pack3DAttention: merge='gated' needs impl='xla' or 'reference'")
+    if merge not in ("joint", "gated", "local"):
+      raise ValueError(f"Pack3DAttention: `merge` must be 'joint', 'gated' or 'local', got"
+                       f" {merge!r}")
+    if merge in ("gated", "local") and impl == "pallas":
+      raise ValueError(f"Pack3DAttention: merge={merge!r} needs impl='xla' or 'reference'")
     if rotate_summaries not in ("before", "after"):
       raise ValueError(f"Pack3DAttention: `rotate_summaries` must be 'before' or 'after',"
                        f" got {rotate_summaries!r}")
@@ -116,5 +119,7 @@ class Pack3DAttention(nnx.Module):
     if self.merge == "gated":
       gates = jax.nn.sigmoid(x @ self.w_gate[...].astype(dtype)).reshape(
           batch, n, self.num_heads, 2)
+    elif self.merge == "local":
+      gates = jnp.broadcast_to(jnp.asarray([1.0, 0.0], dtype), (batch, n, self.num_heads, 2))
     o = self._attend(q, k, v, coords, field_ids, gates)
     return o.reshape(batch, n, d_model) @ self.w_out[...].astype(dtype)

@@ -1,0 +1,163 @@
+"""What the experiment runners share: a results file that resumes arm by arm, statistics,
+machine-load snapshots, timing and the absl entry point.
+
+results/<name>.json = {"experiment": name, "meta": {...}, "runs": {"<arm>/seed<k>": {...}},
+                       ...other sections a runner adds (throughput, profile, ...)}
+It is rewritten atomically after every finished run, so a killed runner loses at most the run
+in progress (whose trainer checkpoints let it resume).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+RESULTS_DIR = pathlib.Path("results")
+RUNS_DIR = pathlib.Path("runs/experiments")
+
+
+def param_count(model: nnx.Module) -> int:
+  return int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+
+def machine_load() -> dict:
+  """The 1/5/15-minute load averages and the time (the machine is shared: say how loaded)."""
+  one, five, fifteen = os.getloadavg()
+  return {"load1": round(one, 2), "load5": round(five, 2), "load15": round(fifteen, 2),
+          "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def stats(values) -> dict:
+  """{"mean", "std" (ddof=1; 0 for one value), "min", "max", "n"} of a list of numbers."""
+  v = np.asarray([x for x in values if x is not None], np.float64)
+  if v.size == 0:
+    return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+  return {"mean": float(v.mean()), "std": float(v.std(ddof=1)) if v.size > 1 else 0.0,
+          "min": float(v.min()), "max": float(v.max()), "n": int(v.size)}
+
+
+def fmt(s: dict, digits: int = 3) -> str:
+  """'mean ± std' (or just the mean for one value)."""
+  if s["mean"] is None:
+    return "n/a"
+  if s["n"] > 1:
+    return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
+  return f"{s['mean']:.{digits}f}"
+
+
+class Results:
+  """results/<name>.json, loaded if present, saved atomically on every change."""
+
+  def __init__(self, name: str, *, directory: pathlib.Path | str = RESULTS_DIR):
+    self.path = pathlib.Path(directory) / f"{name}.json"
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    if self.path.exists():
+      self.data = json.loads(self.path.read_text())
+    else:
+      self.data = {"experiment": name, "meta": {}, "runs": {}}
+    self.data.setdefault("runs", {})
+    self.data.setdefault("meta", {})
+
+  @property
+  def runs(self) -> dict:
+    return self.data["runs"]
+
+  def has(self, key: str) -> bool:
+    return key in self.runs
+
+  def put(self, key: str, value: dict) -> None:
+    self.runs[key] = value
+    self.save()
+
+  def set(self, section: str, value) -> None:
+    self.data[section] = value
+    self.save()
+
+  def save(self) -> None:
+    tmp = self.path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(self.data, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, self.path)
+
+
+def run_key(arm: str, seed: int) -> str:
+  return f"{arm}/seed{seed}"
+
+
+def log(*args) -> None:
+  print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
+
+
+def timed(fn: Callable, *args, repeats: int, warmup: int = 2):
+  """Seconds per call of fn(*args) (blocking on the result), after `warmup` calls."""
+  out = None
+  for _ in range(warmup):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  t = time.perf_counter()
+  for _ in range(repeats):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t) / repeats
+
+
+def command_line() -> str:
+  return " ".join(["python -m " + sys.modules["__main__"].__spec__.name
+                   if getattr(sys.modules["__main__"], "__spec__", None) else sys.argv[0]]
+                  + sys.argv[1:])
+
+
+def selected(items, only: str) -> list:
+  """items filtered by a comma-separated --only list (empty: all)."""
+  if not only:
+    return list(items)
+  wanted = only.split(",")
+  unknown = [w for w in wanted if w not in items]
+  if unknown:
+    raise ValueError(f"--only names unknown arms {unknown}; known: {list(items)}")
+  return [i for i in items if i in wanted]
+
+
+def savefig(fig, path: pathlib.Path) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  plt.close(fig)
+
+
+def pyplot():
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  return plt
+
+
+def nan_to_none(x):
+  return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
+
+
+def define_flags(default_config: str, stages: str) -> None:
+  """The runners' shared flags; called under `if __name__ == "__main__"` only, so that
+  importing a runner (tests, other runners) defines no absl flags."""
+  from absl import flags  # noqa: PLC0415
+  from ml_collections import config_flags  # noqa: PLC0415
+  config_flags.DEFINE_config_file("config", default_config, "Experiment config.")
+  flags.DEFINE_string("stages", stages, "Comma-separated stages to run.")
+  flags.DEFINE_string("only", "", "Comma-separated arms (default: all).")
+  flags.DEFINE_string("seeds", "", "Comma-separated seeds (default: the config's).")
+  flags.DEFINE_string("results_dir", str(RESULTS_DIR), "Where the json and png go.")
+  flags.DEFINE_string("runs_dir", str(RUNS_DIR), "Where the training workdirs go.")
+
+
+def seeds_from(flag_value: str, config) -> list[int]:
+  return ([int(s) for s in flag_value.split(",")] if flag_value
+          else list(config.experiment.seeds))

@@ -1,0 +1,213 @@
+"""Experiment 3: long memory. FRAC vs Mamba-2-style (equal parameters, equal state) vs attention
+on lag recall (accuracy per lag, lags up to 2048) and MQAR with power-law gaps (per gap).
+
+  python -m experiments.frac_memory --config=configs/exp_frac_memory.py \
+      [--stages=train,plot] [--tasks=lag_recall,mqar] [--only=frac,attention] [--seeds=0]
+
+Every (task, arm, seed) trains with train.trainer.fit in runs/experiments/frac_memory/<task>/
+<arm>/seed<k> and is then evaluated on held-out batches (stream VAL): lag recall with
+config...eval_sequences_per_lag sequences per lag, MQAR over eval_batches batches bucketed
+by log2 gap. Results go to results/frac_memory.json after each run (re-runs skip finished
+runs; an unfinished one resumes from its checkpoint), the plot to results/frac_memory.png.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+from flax import nnx
+
+from experiments import common, memory_tasks
+from jaxops import frac as frac_ops
+from train import lm_task, trainer
+from train.data import synthetic, text
+
+NAME = "frac_memory"
+
+
+def run_config(base, task: str, arm: str, seed: int):
+  """Trainer config of one (task, arm, seed): model sized for the task, steps per arm."""
+  t = base.experiment.tasks[task]
+  a = base.experiment.arms[arm]
+  c = copy.deepcopy(base)
+  with c.unlocked():
+    c.seed = seed
+    c.batch_size = t.batch
+    c.steps = int(t.get("steps_by_arm", {}).get(arm, t.steps))
+    c.eval_every = max(1, c.steps // 4)
+    c.model.context = t.length
+    c.model.vocab_size = t.vocab
+    c.model.mixer = a.mixer
+    options = dict(a.mixer_options)
+    options.update(dict(a.get("mixer_overrides", {})))
+    if a.get("state_times_modes", False):
+      options["state_dim"] = options["state_dim"] * frac_ops.default_num_modes(t.length)
+    c.model.mixer_options = options
+    for key in ("d_model", "num_layers", "num_heads"):
+      if key in a:
+        c.model[key] = a[key]
+    if "lr" in a:
+      c.optim.lr = a.lr
+    del c["experiment"]
+  return c
+
+
+def batches(task: str, t, config):
+  """(train_batch(step), eval_batch(i)) for the trainer."""
+  if task == "lag_recall":
+    make = functools.partial(memory_tasks.lag_recall_lags, seed=config.seed, batch=t.batch,
+                             length=t.length, vocab=t.vocab, lags=tuple(t.lags))
+  else:
+    make = functools.partial(synthetic.mqar, seed=config.seed, batch=t.batch, length=t.length,
+                             vocab=t.vocab, num_pairs=t.num_pairs, power=t.power)
+  return (lambda step: make(stream=text.TRAIN, index=step),
+          lambda i: make(stream=text.VAL, index=i))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _predict(graphdef, state, inputs):
+  return jnp.argmax(nnx.merge(graphdef, state)(inputs), -1)
+
+
+def predictions(model, inputs: np.ndarray, batch: int) -> np.ndarray:
+  graphdef, state = nnx.split(model)
+  return np.concatenate([np.asarray(_predict(graphdef, state, inputs[i:i + batch]))
+                         for i in range(0, len(inputs), batch)])
+
+
+def evaluate(task: str, t, model, config) -> dict:
+  """Held-out accuracy per lag (lag recall) or per log2 gap bucket (MQAR), plus overall."""
+  if task == "lag_recall":
+    rows = []
+    for j, lag in enumerate(t.lags):
+      b = memory_tasks.lag_recall_lags(seed=10_000 + config.seed, stream=text.VAL, index=j,
+                                       batch=t.eval_sequences_per_lag, length=t.length,
+                                       vocab=t.vocab, lags=tuple(t.lags), lag_index=j)
+      pred = predictions(model, b["inputs"], t.batch)
+      m = b["mask"] > 0
+      rows.append({"lag": int(lag), "n": int(m.sum()),
+                   "accuracy": float((pred[m] == b["targets"][m]).mean())})
+    return {"by_lag": rows, "accuracy": float(np.mean([r["accuracy"] for r in rows])),
+            "chance": 1.0 / (t.vocab - synthetic.FIRST)}
+  correct, gaps = [], []
+  for i in range(t.eval_batches):
+    b = synthetic.mqar(seed=10_000 + config.seed, stream=text.VAL, index=i, batch=t.batch,
+                       length=t.length, vocab=t.vocab, num_pairs=t.num_pairs, power=t.power)
+    pred = predictions(model, b["inputs"], t.batch)
+    m = b["mask"] > 0
+    correct.append(pred[m] == b["targets"][m])
+    gaps.append(memory_tasks.mqar_gaps(b)[m])
+  correct, gaps = np.concatenate(correct), np.concatenate(gaps)
+  edges = [1] + [2 ** k for k in range(2, int(np.ceil(np.log2(t.length))) + 1)]
+  return {"by_gap": memory_tasks.bucket_accuracy(correct, gaps, edges),
+          "accuracy": float(correct.mean()), "chance": 1.0 / ((t.vocab - synthetic.FIRST) // 2)}
+
+
+def train_stage(base, tasks, arms, seeds, results, runs_dir) -> None:
+  for task in tasks:
+    t = base.experiment.tasks[task]
+    for seed in seeds:
+      for arm in arms:
+        key = f"{task}/{common.run_key(arm, seed)}"
+        if results.has(key):
+          common.log(f"{key}: done already, skipped")
+          continue
+        config = run_config(base, task, arm, seed)
+        train_batch, eval_batch = batches(task, t, config)
+        model = lm_task.make_model(config)
+        n = common.param_count(model)
+        mixer = model.blocks[0].mixer
+        state = (int(mixer.num_heads * mixer.num_modes * mixer.state_dim * mixer.head_dim)
+                 if config.model.mixer != "attention" else None)
+        common.log(f"{key}: {n:,} parameters, recurrent state per layer {state}, "
+                   f"{config.steps} steps x batch {config.batch_size} x L {t.length}, "
+                   f"mixer_options {dict(config.model.mixer_options)}")
+        task_obj = trainer.Task(model=model, loss_fn=lm_task.lm_loss, train_batch=train_batch,
+                                eval_batch=eval_batch, tokens_per_batch=t.batch * t.length)
+        workdir = runs_dir / NAME / task / arm / f"seed{seed}"
+        load0, t0 = common.machine_load(), time.perf_counter()
+        fit = trainer.fit(config, workdir, task_obj)
+        wall = time.perf_counter() - t0
+        ev = evaluate(task, t, fit.model, config)
+        row = {"task": task, "arm": arm, "seed": seed, "params": n, "state_per_layer": state,
+               "steps": config.steps, "batch": config.batch_size, "length": t.length,
+               "mixer_options": dict(config.model.mixer_options),
+               "final_train_loss": fit.final_loss, "eval_loss": fit.eval_loss,
+               "steps_per_s": fit.steps_per_s, "wall_s": wall, "load_start": load0,
+               "load_end": common.machine_load(), **ev}
+        if config.model.mixer == "frac":
+          row["alpha_final"] = [np.asarray(b.mixer.alpha()).round(3).tolist()
+                                for b in fit.model.blocks]
+        if config.model.mixer != "attention":
+          row["timescale_final"] = [np.exp(np.asarray(b.mixer.log_timescale[...])).round(4)
+                                    .tolist() for b in fit.model.blocks]
+        results.put(key, row)
+        common.log(f"{key}: accuracy {ev['accuracy']:.3f}, wall {wall:.0f}s")
+
+
+def plot(results, base, tasks, path) -> None:
+  plt = common.pyplot()
+  fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 4.6), squeeze=False)
+  order = list(base.experiment.order) + sorted(
+      {r["arm"] for r in results.runs.values()} - set(base.experiment.order))
+  for ax, task in zip(axes[0], tasks):
+    chance = None
+    for i, arm in enumerate(order):
+      rows = [r for r in results.runs.values() if r["task"] == task and r["arm"] == arm]
+      if not rows:
+        continue
+      chance = rows[0]["chance"]
+      field, x_of = (("by_lag", lambda b: b["lag"]) if task == "lag_recall"
+                     else ("by_gap", lambda b: np.sqrt(b["lo"] * b["hi"])))
+      buckets = [[b for b in r[field] if b["accuracy"] is not None] for r in rows]
+      n = min(len(b) for b in buckets)
+      x = [x_of(b) for b in buckets[0][:n]]
+      acc = np.array([[b["accuracy"] for b in bs[:n]] for bs in buckets])
+      label = f"{arm} ({rows[0]['steps']} steps)"
+      ax.plot(x, acc.mean(0), "o-", color=f"C{i}", label=label, markersize=4)
+      if len(rows) > 1:
+        ax.fill_between(x, acc.min(0), acc.max(0), color=f"C{i}", alpha=0.2)
+    if chance is not None:
+      ax.axhline(chance, color="gray", ls=":", label="chance")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("lag (tokens)" if task == "lag_recall" else "gap, query - its pair (tokens)")
+    ax.set_ylabel("held-out accuracy")
+    t = base.experiment.tasks[task]
+    ax.set_title(f"{task}, L={t.length}" + (f", {t.num_pairs} pairs" if task == "mqar" else ""))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  common.savefig(fig, path)
+
+
+def main(argv):
+  del argv
+  F = flags.FLAGS
+  logging.set_verbosity(logging.WARNING)
+  base = F.config
+  tasks = common.selected(base.experiment.task_order, F.tasks)
+  arms = common.selected(base.experiment.order, F.only)
+  seeds = common.seeds_from(F.seeds, base)
+  results = common.Results(F.name, directory=F.results_dir)
+  results.data["meta"]["command"] = common.command_line()
+  stages = F.stages.split(",")
+  if "train" in stages:
+    train_stage(base, tasks, arms, seeds, results, pathlib.Path(F.runs_dir))
+  if "plot" in stages:
+    plot(results, base, list(base.experiment.task_order),
+         pathlib.Path(F.results_dir) / f"{F.name}.png")
+  results.save()
+
+
+if __name__ == "__main__":
+  common.define_flags("configs/exp_frac_memory.py", "train,plot")
+  flags.DEFINE_string("tasks", "", "Comma-separated tasks (default: all).")
+  flags.DEFINE_string("name", NAME, "Results file name (side studies).")
+  app.run(main)

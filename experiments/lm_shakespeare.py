@@ -1,0 +1,354 @@
+"""Experiment 4: byte-level Tiny Shakespeare, attention / FRAC / Mamba-2 x SwiGLU / FlashFFN.
+
+  python -m experiments.lm_shakespeare --config=configs/exp_lm_shakespeare.py \
+      [--stages=train,throughput,profile,plot] [--only=arm1,arm2] [--seeds=0,1,2]
+
+Stages:
+  train       every arm x seed with train.trainer.fit (workdir runs/experiments/lm_shakespeare/
+              <arm>/seed<k>), then the loss on the WHOLE validation split (every character of
+              the last config.data.val_fraction of the file scored once); each finished run is
+              written to results/lm_shakespeare.json at once and skipped by a re-run.
+  throughput  a side-by-side timing of one jitted train step per arm (config.experiment.
+              throughput_steps steps per round after warm-up, arms interleaved, best round);
+              waits up to --idle_wait_s for a 1-minute load average below --idle_load.
+  profile     where a step's time goes: forward+backward of each block's mixer and FFN alone,
+              the FRAC scan alone, and XLA's FLOP counts, at the training shape.
+  plot        results/lm_shakespeare.png from the json.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags, logging
+from flax import nnx
+
+from experiments import common
+from train import lm_task, optim, trainer
+from train.data import text
+from train.metrics import read_metrics
+
+NAME = "lm_shakespeare"
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def whole_split_windows(data: np.ndarray, length: int):
+  """Every character of `data` after the first, scored exactly once.
+
+  Cuts data[:-1] into consecutive windows of `length` inputs (the last one padded), so
+  window w predicts data[w L + 1 : (w + 1) L + 1] from the characters before it in the
+  window. Returns int32 inputs, targets [W, length] and float32 mask [W, length]
+  (0 on the padding); mask.sum() == len(data) - 1.
+  """
+  n = len(data) - 1
+  if n < 1:
+    raise ValueError(f"whole_split_windows: need at least 2 characters, got {len(data)}")
+  w = -(-n // length)
+  padded = np.zeros(w * length + 1, np.int32)
+  padded[:len(data)] = data
+  mask = (np.arange(w * length) < n).astype(np.float32).reshape(w, length)
+  return padded[:-1].reshape(w, length), padded[1:].reshape(w, length), mask
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _ce_sum(graphdef, state, inputs, targets, mask):
+  logits = nnx.merge(graphdef, state)(inputs)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  return jnp.sum(ce * mask)
+
+
+def whole_split_loss(model, data: np.ndarray, length: int, *, batch: int = 128) -> float:
+  """Mean cross entropy (nats per character) of `model` over every character of `data`
+  (see `whole_split_windows`), in batches of `batch` windows (the last padded)."""
+  inputs, targets, mask = whole_split_windows(data, length)
+  pad = -len(inputs) % batch
+  if pad:
+    inputs, targets, mask = (np.concatenate([a, np.zeros((pad, length), a.dtype)])
+                             for a in (inputs, targets, mask))
+  graphdef, state = nnx.split(model)
+  total = 0.0
+  for i in range(0, len(inputs), batch):
+    total += float(_ce_sum(graphdef, state, inputs[i:i + batch], targets[i:i + batch],
+                           mask[i:i + batch]))
+  return total / float(mask.sum())
+
+
+# ----------------------------------------------------------------------------- arms
+
+def arm_config(base, arm: str, seed: int):
+  """The trainer config of one arm and seed."""
+  c = copy.deepcopy(base)
+  with c.unlocked():
+    c.seed = seed
+    for key, value in base.experiment.arms[arm].items():
+      c.model[key] = value
+    del c["experiment"]
+  return c
+
+
+def model_params(config) -> int:
+  kwargs = config.model.to_dict()
+  kwargs["impl"] = trainer.resolve_impl(kwargs["impl"])
+  from models.lm import LanguageModel  # noqa: PLC0415
+  return common.param_count(nnx.eval_shape(lambda: LanguageModel(**kwargs, rngs=nnx.Rngs(0))))
+
+
+def check_matched(base, arms) -> dict:
+  """{arm: parameter count}; ValueError if an arm is off the reference by more than the
+  tolerance."""
+  counts = {a: model_params(arm_config(base, a, 0)) for a in base.experiment.arms}
+  ref = counts[base.experiment.reference_arm]
+  for a in arms:
+    off = counts[a] / ref - 1
+    if abs(off) > base.experiment.param_tolerance:
+      raise ValueError(f"arm {a}: {counts[a]:,} parameters, {off:+.1%} off the reference "
+                       f"{ref:,} (tolerance {base.experiment.param_tolerance:.0%})")
+  return counts
+
+
+def curve(workdir) -> dict:
+  rows = read_metrics(workdir / "metrics.jsonl")
+  return {"train": [(r["step"], r["loss"]) for r in rows if "loss" in r and r["step"] % 50 == 49
+                    or "loss" in r and r["step"] == rows[-1]["step"]],
+          "eval": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r],
+          "tokens_per_s": [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][-1:]}
+
+
+def train_stage(base, arms, seeds, results: common.Results, runs_dir) -> None:
+  counts = check_matched(base, arms)
+  results.data["meta"].update({
+      "param_counts": counts, "budget": {"steps": base.steps, "batch": base.batch_size,
+                                         "context": base.model.context},
+      "data": base.data.path, "val_fraction": base.data.val_fraction})
+  _, val_bytes = text.split(text.load_corpus(base.data.path), base.data.val_fraction)
+  for seed in seeds:                      # seed-major: a partial run still covers every arm
+    for arm in arms:
+      key = common.run_key(arm, seed)
+      if results.has(key):
+        common.log(f"{key}: done already, skipped")
+        continue
+      config = arm_config(base, arm, seed)
+      workdir = runs_dir / NAME / arm / f"seed{seed}"
+      task = lm_task.build_task(config)
+      n = common.param_count(task.model)
+      common.log(f"{key}: {n:,} parameters ({n / counts[base.experiment.reference_arm] - 1:+.2%}"
+                 f" vs {base.experiment.reference_arm}); workdir {workdir}")
+      load0, t0 = common.machine_load(), time.perf_counter()
+      fit = trainer.fit(config, workdir, task)
+      wall = time.perf_counter() - t0
+      t1 = time.perf_counter()
+      val = whole_split_loss(fit.model, val_bytes, config.model.context,
+                             batch=base.experiment.eval_batch)
+      c = curve(workdir)
+      row = {"arm": arm, "seed": seed, "params": n, "val_loss_whole": val,
+             "val_chars": int(len(val_bytes) - 1), "eval_loss_sampled": fit.eval_loss,
+             "final_train_loss": fit.final_loss, "steps_per_s": fit.steps_per_s,
+             "tokens_per_s_in_run": fit.steps_per_s * config.batch_size * config.model.context,
+             "wall_s": wall, "eval_wall_s": time.perf_counter() - t1,
+             "load_start": load0, "load_end": common.machine_load(), "curve": c}
+      results.put(key, row)
+      common.log(f"{key}: whole-split val {val:.4f} nats/char, {row['tokens_per_s_in_run']:,.0f}"
+                 f" tok/s in run, wall {wall:.0f}s")
+
+
+# ----------------------------------------------------------------------------- timing
+
+def make_train_step(config):
+  """(jitted step(params, opt_state, batch), params, opt_state, batch) for the config's
+  model: the trainer's step (AdamW + clipping on lm_loss) without sharding or metrics."""
+  task = lm_task.build_task(config)
+  graphdef, params, rest = nnx.split(task.model, nnx.Param, ...)
+  tx = optim.make_optimizer(config.optim, config.steps)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(
+        lambda p: lm_task.lm_loss(nnx.merge(graphdef, p, rest), batch)[0])(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  batch = {k: jnp.asarray(v) for k, v in task.train_batch(0).items()}
+  return step, params, tx.init(params), batch
+
+
+def wait_for_idle(threshold: float, max_wait_s: int) -> dict:
+  t0 = time.time()
+  while os.getloadavg()[0] >= threshold and time.time() - t0 < max_wait_s:
+    time.sleep(20)
+  return {**common.machine_load(), "waited_s": round(time.time() - t0),
+          "idle": os.getloadavg()[0] < threshold}
+
+
+def throughput_stage(base, arms, results: common.Results) -> None:
+  e = base.experiment
+  tokens = base.batch_size * base.model.context
+  steps = {a: make_train_step(arm_config(base, a, 0)) for a in arms}
+  state = {a: list(s[1:3]) for a, s in steps.items()}
+  for a, (fn, *_rest) in steps.items():          # compile and warm up
+    p, o, batch = state[a] + [steps[a][3]]
+    for _ in range(3):
+      p, o, loss = fn(p, o, batch)
+    jax.block_until_ready(loss)
+    state[a] = [p, o]
+  before = wait_for_idle(flags.FLAGS.idle_load, flags.FLAGS.idle_wait_s)
+  common.log(f"throughput: load {before}")
+  times = {a: [] for a in arms}
+  for _ in range(e.throughput_rounds):
+    for a in arms:
+      fn, batch = steps[a][0], steps[a][3]
+      p, o = state[a]
+      t = time.perf_counter()
+      for _ in range(e.throughput_steps):
+        p, o, loss = fn(p, o, batch)
+      jax.block_until_ready(loss)
+      times[a].append((time.perf_counter() - t) / e.throughput_steps)
+      state[a] = [p, o]
+  after = common.machine_load()
+  rows = {a: {"step_ms_best": 1e3 * min(t), "step_ms_all": [1e3 * x for x in t],
+              "tokens_per_s": tokens / min(t)} for a, t in times.items()}
+  results.set("throughput", {"load_before": before, "load_after": after,
+                             "steps_per_round": e.throughput_steps, "rounds": e.throughput_rounds,
+                             "tokens_per_step": tokens, "arms": rows})
+  for a, r in rows.items():
+    common.log(f"throughput {a}: {r['step_ms_best']:.1f} ms/step, {r['tokens_per_s']:,.0f} tok/s")
+
+
+def _fwd_bwd(module, *inputs):
+  """jitted fn(params, *inputs) -> grads of sum(module(*inputs) * cotangent) wrt params and
+  the first input, plus its FLOP count from XLA."""
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+  def loss(p, x, *more):
+    y = nnx.merge(graphdef, p, rest)(x, *more)
+    return jnp.sum(y * jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape)))
+
+  fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  compiled = fn.lower(params, *inputs).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return functools.partial(fn, params), float((cost or {}).get("flops", float("nan")))
+
+
+def profile_stage(base, arms, results: common.Results, repeats: int = 30) -> None:
+  """Per arm: train step, and per layer the mixer and FFN forward+backward alone (ms, FLOPs);
+  for FRAC arms also the scan alone (jaxops.frac.frac_scan, the mixer's XLA path)."""
+  from jaxops import frac as frac_ops  # noqa: PLC0415
+  b, l, d = base.batch_size, base.model.context, base.model.d_model
+  x = jax.random.normal(jax.random.key(0), (b, l, d))
+  before = common.machine_load()
+  out = {}
+  for a in arms:
+    config = arm_config(base, a, 0)
+    step, params, opt_state, batch = make_train_step(config)
+    model = lm_task.make_model(config)
+    block = model.blocks[0]
+    row = {"train_step_ms": 1e3 * common.timed(step, params, opt_state, batch, repeats=repeats)}
+    for part in ("mixer", "ffn"):
+      fn, flops = _fwd_bwd(getattr(block, part), x)
+      row[f"{part}_ms_per_layer"] = 1e3 * common.timed(fn, x, repeats=repeats)
+      row[f"{part}_gflops_per_layer"] = flops / 1e9
+    if config.model.mixer in ("frac", "mamba2"):
+      m = block.mixer
+      h, p, n = m.num_heads, m.head_dim, m.state_dim
+      keys = jax.random.split(jax.random.key(1), 4)
+      xs = jax.random.normal(keys[0], (b, l, h, p))
+      dt = jax.nn.softplus(jax.random.normal(keys[1], (b, l, h)))
+      bb, cc = (jax.random.normal(k, (b, l, h, n)) for k in keys[2:])
+      rates, weights = m.modes()
+      chunk = m.chunk or 64
+      scan = jax.jit(jax.grad(lambda *args: jnp.sum(frac_ops.frac_scan(
+          *args, rates, weights, chunk=chunk)[0] ** 2), argnums=(0, 1, 2, 3)))
+      row["scan_ms_per_layer"] = 1e3 * common.timed(scan, xs, dt, bb, cc, repeats=repeats)
+      row["num_modes"] = int(m.num_modes)
+    out[a] = row
+    common.log(f"profile {a}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
+  results.set("profile", {"load_before": before, "load_after": common.machine_load(),
+                          "shape": [b, l, d], "repeats": repeats, "arms": out})
+
+
+# ----------------------------------------------------------------------------- plot
+
+def plot(results: common.Results, base, path) -> None:
+  plt = common.pyplot()
+  arms = list(base.experiment.order)
+  runs = results.runs
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+  ax = axes[0]
+  for i, a in enumerate(arms):
+    vals = [r["val_loss_whole"] for r in runs.values() if r["arm"] == a]
+    if vals:
+      ax.scatter([i] * len(vals), vals, color=f"C{i}", s=18, alpha=0.6)
+      ax.errorbar([i], [np.mean(vals)], yerr=[np.std(vals, ddof=1) if len(vals) > 1 else 0],
+                  fmt="s", color=f"C{i}", capsize=5, markersize=8)
+  ref = base.experiment.nanogpt_reference.val_loss
+  ax.axhline(ref, color="gray", ls="--", lw=1, label=f"nanoGPT CPU recipe ({ref})")
+  ax.set_xticks(range(len(arms)), [a.replace("_", "\n") for a in arms], fontsize=8)
+  ax.set_ylabel("whole-split validation loss (nats/char)")
+  ax.set_title("Tiny Shakespeare, 2000 steps x 12 x 64")
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+  ax = axes[1]
+  thr = results.data.get("throughput", {}).get("arms", {})
+  for i, a in enumerate(arms):
+    if a in thr:
+      ax.bar(i, thr[a]["tokens_per_s"], color=f"C{i}", alpha=0.7)
+    inrun = [r["tokens_per_s_in_run"] for r in runs.values() if r["arm"] == a]
+    if inrun:
+      ax.scatter([i] * len(inrun), inrun, color="k", s=14, zorder=3)
+  ax.set_xticks(range(len(arms)), [a.replace("_", "\n") for a in arms], fontsize=8)
+  ax.set_ylabel("training tokens/s (bar: side-by-side timing; dots: in-run, shared CPU)")
+  ax.set_title("Throughput, 2-core CPU, XLA path")
+  ax.grid(alpha=0.3, axis="y")
+  ax = axes[2]
+  for i, a in enumerate(arms):
+    curves = [r["curve"]["train"] for r in runs.values() if r["arm"] == a]
+    if curves:
+      n = min(len(c) for c in curves)
+      steps = [c[0] for c in curves[0][:n]]
+      loss = np.mean([[c[1] for c in cv[:n]] for cv in curves], axis=0)
+      ax.plot(steps, loss, color=f"C{i}", label=a, lw=1.2)
+  ax.set_ylim(1.3, 2.6)
+  ax.set_xlabel("step")
+  ax.set_ylabel("train loss (mean over seeds)")
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+  common.savefig(fig, path)
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv):
+  del argv
+  F = flags.FLAGS
+  logging.set_verbosity(logging.WARNING)
+  base = F.config
+  arms = common.selected(base.experiment.order, F.only)
+  seeds = common.seeds_from(F.seeds, base)
+  results = common.Results(NAME, directory=F.results_dir)
+  results.data["meta"]["command"] = common.command_line()
+  stages = F.stages.split(",")
+  if "train" in stages:
+    train_stage(base, arms, seeds, results, pathlib.Path(F.runs_dir))
+  if "throughput" in stages:
+    throughput_stage(base, arms, results)
+  if "profile" in stages:
+    profile_stage(base, arms, results)
+  if "plot" in stages:
+    plot(results, base, pathlib.Path(F.results_dir) / f"{NAME}.png")
+  results.save()
+
+
+if __name__ == "__main__":
+  common.define_flags("configs/exp_lm_shakespeare.py", "train,throughput,profile,plot")
+  flags.DEFINE_float("idle_load", 0.5, "Load average the throughput stage waits for.")
+  flags.DEFINE_integer("idle_wait_s", 1800, "Longest wait for that load (s).")
+  app.run(main)

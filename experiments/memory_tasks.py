@@ -1,0 +1,66 @@
+"""Long-memory probes for experiment 3: lag recall with given lags, MQAR gaps, accuracy by bucket.
+
+Lag recall here differs from `train.data.synthetic.lag_recall` in two ways that make the
+accuracy-against-lag curve clean: the lags are given (log-spaced up to 2048 in the config,
+not bounded by L / 2), and every lag is scored on the same positions t in [max(lags) + 1, L),
+so each lag weighs the same in the loss and in the evaluation. Token 0 names the lag
+(FIRST + j for lags[j]); the target at t is the input at t - lag.
+
+MQAR is `train.data.synthetic.mqar` itself (power-law gaps); `mqar_gaps` recovers each
+query's gap (query position minus its pair's value position) from a batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from train.data.synthetic import FIRST
+
+
+def lag_recall_lags(*, seed: int, stream: int, index: int, batch: int, length: int, vocab: int,
+                    lags, lag_index: int | None = None) -> dict:
+  """Lag-recall batch with the given lags (see the module doc); `lag_index` fixes the lag of
+  every sequence (evaluation), None draws one per sequence."""
+  lags = np.asarray(lags, np.int64)
+  start = int(lags.max()) + 1
+  if length <= start:
+    raise ValueError(f"lag_recall_lags: length {length} must exceed max(lags) + 1 = {start}")
+  if vocab <= FIRST + len(lags):
+    raise ValueError(f"lag_recall_lags: vocab {vocab} too small for {len(lags)} lag tokens")
+  rng = np.random.default_rng([seed, stream, index])
+  choice = (rng.integers(0, len(lags), batch) if lag_index is None
+            else np.full(batch, lag_index, np.int64))
+  inputs = rng.integers(FIRST, vocab, (batch, length)).astype(np.int32)
+  inputs[:, 0] = FIRST + choice
+  targets = np.zeros_like(inputs)
+  for b, lag in enumerate(lags[choice]):
+    targets[b, start:] = inputs[b, start - lag:length - lag]
+  mask = np.zeros((batch, length), np.float32)
+  mask[:, start:] = 1.0
+  return {"inputs": inputs, "targets": targets, "mask": mask}
+
+
+def mqar_gaps(batch: dict) -> np.ndarray:
+  """int [B, L]: for each query position (mask 1), its position minus the position of the
+  value of the pair it asks about; -1 elsewhere. Keys sit at even positions 0, 2, ... of the
+  pair region, each key once per sequence."""
+  inputs, mask = batch["inputs"], batch["mask"]
+  gaps = np.full(inputs.shape, -1, np.int64)
+  for b in range(inputs.shape[0]):
+    queries = np.flatnonzero(mask[b])
+    pairs = 2 * len(queries)
+    key_pos = {int(k): i for i, k in enumerate(inputs[b, 0:pairs:2])}
+    for pos in queries:
+      gaps[b, pos] = pos - (2 * key_pos[int(inputs[b, pos])] + 1)
+  return gaps
+
+
+def bucket_accuracy(correct: np.ndarray, keys: np.ndarray, edges) -> list[dict]:
+  """Accuracy of `correct` (bool, flattened alongside `keys`) per bucket [edges[i], edges[i+1])."""
+  out = []
+  for lo, hi in zip(edges[:-1], edges[1:]):
+    sel = (keys >= lo) & (keys < hi)
+    n = int(sel.sum())
+    out.append({"lo": int(lo), "hi": int(hi), "n": n,
+                "accuracy": float(correct[sel].mean()) if n else None})
+  return out

@@ -1,0 +1,174 @@
+"""Experiment 1: repacking. Train Pack3D segmenters on one packing layout (raster zyx) of the
+geometry task (experiments.geometry_task), evaluate under every layout of jaxops.packing and
+on field shapes not seen in training. Arms differ only in positions: learned_packed,
+rope_packed, axial_rope (and none, a control).
+
+  python -m experiments.repacking --config=configs/exp_repacking.py \
+      [--stages=train,plot] [--only=axial_rope] [--seeds=0]
+
+Per run: results/repacking.json gets, for each evaluation set (training shapes, unseen
+shapes) and layout, the token metrics of `geometry_task.token_metrics` and the largest
+|logit| change against the training layout (after undoing the permutation).
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import app, flags, logging
+from flax import nnx
+
+from experiments import common, geometry_task
+from jaxops import packing
+from models.seg3d import Pack3DSegmenter
+from train import trainer
+
+NAME = "repacking"
+
+
+def make_model(config, position: str, seed: int) -> Pack3DSegmenter:
+  m = config.model
+  return Pack3DSegmenter(
+      patch=(1, 1, 1), in_channels=geometry_task.CHANNELS,
+      num_classes=geometry_task.NUM_CLASSES, d_model=m.d_model, depth=m.depth,
+      num_heads=m.num_heads, ffn="swiglu", ffn_options={"d_ff": m.d_ff},
+      attention_options={**m.attention_options.to_dict(), "position": position,
+                         "max_len": config.data.num_tokens},
+      impl="xla", rngs=nnx.Rngs(jax.random.key(seed, impl="rbg")))
+
+
+def loss_fn(model, batch):
+  logits = model(batch["tokens"], batch["coords"], batch["field_ids"])[:, :, 0]
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+  mask = batch["mask"]
+  count = jnp.maximum(mask.sum(), 1.0)
+  correct = (jnp.argmax(logits, -1) == batch["labels"]) * mask
+  return (ce * mask).sum() / count, {"accuracy": correct.sum() / count}
+
+
+def make_batch(config, seed: int, stream: int, index: int, shapes) -> dict:
+  d = config.data
+  return geometry_task.batch(seed=seed, stream=stream, index=index, items=config.batch_size,
+                             fields_per_item=d.fields_per_item, shapes=[tuple(s) for s in shapes],
+                             block_shape=tuple(config.model.attention_options.block_shape),
+                             num_tokens=d.num_tokens)
+
+
+def evaluate(model, config, seed: int) -> dict:
+  """{eval set: {layout: metrics + max |logit change| vs raster_zyx}}."""
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args)[:, :, 0])
+  _logits = lambda _, state, *args: forward(state, *args)
+  block = tuple(config.model.attention_options.block_shape)
+  sets = {"train_shapes": config.data.shapes, "unseen_shapes": config.data.eval_shapes}
+  out = {}
+  for name, shapes in sets.items():
+    batches = [make_batch(config, 20_000 + seed, 1, i, shapes)
+               for i in range(config.experiment.eval_batches)]
+    base = [np.asarray(_logits(graphdef, state, b["tokens"], b["coords"], b["field_ids"]))
+            for b in batches]
+    rows = {}
+    for layout in packing.LAYOUTS:
+      preds, labels, masks, diff = [], [], [], 0.0
+      for b, ref in zip(batches, base):
+        nb, perms = geometry_task.relayout(b, layout, block_shape=block, seed=seed)
+        lg = np.asarray(_logits(graphdef, state, nb["tokens"], nb["coords"], nb["field_ids"]))
+        ref_perm = np.stack([ref[i][p] for i, p in enumerate(perms)])
+        real = nb["mask"] > 0
+        diff = max(diff, float(np.abs(lg - ref_perm)[real].max()))
+        preds.append(lg.argmax(-1))
+        labels.append(nb["labels"])
+        masks.append(nb["mask"])
+      m = geometry_task.token_metrics(np.concatenate(preds), np.concatenate(labels),
+                                      np.concatenate(masks))
+      rows[layout] = {**m, "max_logit_change": diff}
+    out[name] = rows
+  return out
+
+
+def train_stage(base, arms, seeds, results, runs_dir) -> None:
+  for seed in seeds:
+    for arm in arms:
+      key = common.run_key(arm, seed)
+      if results.has(key):
+        common.log(f"{key}: done already, skipped")
+        continue
+      config = copy.deepcopy(base)
+      with config.unlocked():
+        config.seed = seed
+      model = make_model(config, base.experiment.arms[arm], seed)
+      n = common.param_count(model)
+      common.log(f"{key}: position {base.experiment.arms[arm]}, {n:,} parameters")
+      task = trainer.Task(
+          model=model, loss_fn=loss_fn,
+          train_batch=lambda step, c=config, s=seed: make_batch(c, s, 0, step, c.data.shapes),
+          eval_batch=lambda i, c=config, s=seed: make_batch(c, s, 1, i, c.data.shapes),
+          tokens_per_batch=config.batch_size * config.data.num_tokens)
+      workdir = runs_dir / NAME / arm / f"seed{seed}"
+      load0, t0 = common.machine_load(), time.perf_counter()
+      fit = trainer.fit(config, workdir, task)
+      wall = time.perf_counter() - t0
+      t1 = time.perf_counter()
+      ev = evaluate(fit.model, config, seed)
+      results.put(key, {"arm": arm, "seed": seed, "position": base.experiment.arms[arm],
+                        "params": n, "steps": config.steps, "final_train_loss": fit.final_loss,
+                        "eval_loss": fit.eval_loss, "steps_per_s": fit.steps_per_s,
+                        "wall_s": wall, "eval_wall_s": time.perf_counter() - t1,
+                        "load_start": load0, "load_end": common.machine_load(), "eval": ev})
+      tr = ev["train_shapes"]
+      common.log(f"{key}: object accuracy " + ", ".join(
+          f"{l} {tr[l]['acc_objects']:.3f}" for l in packing.LAYOUTS)
+          + f"; unseen shapes {ev['unseen_shapes']['raster_zyx']['acc_objects']:.3f}"
+          + f"; wall {wall:.0f}s")
+
+
+def plot(results, base, path) -> None:
+  plt = common.pyplot()
+  arms = [a for a in base.experiment.order if any(r["arm"] == a for r in results.runs.values())]
+  sets = ("train_shapes", "unseen_shapes")
+  fig, axes = plt.subplots(1, 2, figsize=(15, 4.8), sharey=True)
+  layouts = list(packing.LAYOUTS)
+  width = 0.8 / max(1, len(arms))
+  for ax, name in zip(axes, sets):
+    for i, arm in enumerate(arms):
+      rows = [r["eval"][name] for r in results.runs.values() if r["arm"] == arm]
+      acc = np.array([[row[l]["acc_objects"] for l in layouts] for row in rows])
+      x = np.arange(len(layouts)) + (i - (len(arms) - 1) / 2) * width
+      ax.bar(x, acc.mean(0), width, color=f"C{i}", label=arm,
+             yerr=acc.std(0, ddof=1) if len(rows) > 1 else None, capsize=2)
+    ax.set_xticks(range(len(layouts)), [l.replace("_", "\n") for l in layouts], fontsize=8)
+    ax.set_title(f"{name.replace('_', ' ')} (trained on raster_zyx, "
+                 f"{'seen' if name == 'train_shapes' else 'unseen'} field shapes)")
+    ax.set_ylabel("object-token accuracy (5 classes)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3, axis="y")
+  axes[0].legend(fontsize=8)
+  common.savefig(fig, path)
+
+
+def main(argv):
+  del argv
+  F = flags.FLAGS
+  logging.set_verbosity(logging.WARNING)
+  base = F.config
+  arms = common.selected(base.experiment.order, F.only)
+  seeds = common.seeds_from(F.seeds, base)
+  results = common.Results(NAME, directory=F.results_dir)
+  results.data["meta"]["command"] = common.command_line()
+  stages = F.stages.split(",")
+  if "train" in stages:
+    train_stage(base, arms, seeds, results, pathlib.Path(F.runs_dir))
+  if "plot" in stages:
+    plot(results, base, pathlib.Path(F.results_dir) / f"{NAME}.png")
+  results.save()
+
+
+if __name__ == "__main__":
+  common.define_flags("configs/exp_repacking.py", "train,plot")
+  app.run(main)

@@ -1,0 +1,190 @@
+"""The experiment harness of RESULTS.md (experiments/): whole-split evaluation, the memory and
+geometry tasks, the local-only Pack3D ablation, arm configs, resumable results."""
+
+import importlib.util
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from experiments import common, geometry_task, memory_tasks
+from jaxops import frac as frac_ops
+from jaxops import packing
+from models.lm import LanguageModel
+from models.pack3d import Pack3DAttention
+from train.data import synthetic
+
+
+def _load_config(path):
+  spec = importlib.util.spec_from_file_location("cfg", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+# ----------------------------------------------------------------------------- LM evaluation
+
+def test_whole_split_windows_score_every_character_once():
+  from experiments.lm_shakespeare import whole_split_windows
+  data = np.arange(1, 101, dtype=np.uint8)                 # 100 chars -> 99 targets
+  inputs, targets, mask = whole_split_windows(data, 8)
+  assert inputs.shape == targets.shape == mask.shape == (13, 8)
+  assert mask.sum() == 99
+  np.testing.assert_array_equal(targets[mask > 0], data[1:])
+  np.testing.assert_array_equal(inputs[mask > 0], data[:-1])
+  with pytest.raises(ValueError, match="at least 2"):
+    whole_split_windows(data[:1], 8)
+
+
+def test_whole_split_loss_is_the_mean_over_characters():
+  from experiments.lm_shakespeare import whole_split_loss
+  model = LanguageModel(d_model=16, num_layers=1, num_heads=2, context=8,
+                        ffn_options={"d_ff": 16}, rngs=nnx.Rngs(0))
+  data = np.random.default_rng(0).integers(0, 256, 38).astype(np.uint8)
+  got = whole_split_loss(model, data, 8, batch=4)    # 37 targets: 5 windows, 3 pad ones
+  x = jnp.asarray(data[:32].reshape(4, 8), jnp.int32)
+  y = jnp.asarray(data[1:33].reshape(4, 8), jnp.int32)
+  forward = nnx.jit(lambda m, t: m(t))
+  ces = [np.asarray(optax.softmax_cross_entropy_with_integer_labels(forward(model, x), y))]
+  tail = jnp.asarray(data[32:37][None], jnp.int32)   # the last, partial window: 5 targets
+  ces.append(np.asarray(optax.softmax_cross_entropy_with_integer_labels(
+      forward(model, tail), jnp.asarray(data[33:38][None], jnp.int32))))
+  np.testing.assert_allclose(got, np.concatenate([c.reshape(-1) for c in ces]).mean(),
+                             rtol=1e-5)
+
+
+def test_lm_arms_are_parameter_matched():
+  from experiments.lm_shakespeare import check_matched
+  base = _load_config("configs/exp_lm_shakespeare.py")
+  counts = check_matched(base, list(base.experiment.order))
+  assert set(counts) == set(base.experiment.order)
+  assert 0.8e6 < counts["attention_swiglu"] < 0.9e6
+
+
+# ----------------------------------------------------------------------------- memory tasks
+
+def test_lag_recall_lags_targets_and_mask():
+  lags = (1, 4, 32)
+  b = memory_tasks.lag_recall_lags(seed=0, stream=0, index=0, batch=6, length=48, vocab=10,
+                                   lags=lags)
+  for row in range(6):
+    lag = lags[b["inputs"][row, 0] - synthetic.FIRST]
+    np.testing.assert_array_equal(b["targets"][row, 33:], b["inputs"][row, 33 - lag:48 - lag])
+  assert (b["mask"][:, :33] == 0).all() and (b["mask"][:, 33:] == 1).all()
+  fixed = memory_tasks.lag_recall_lags(seed=0, stream=1, index=0, batch=3, length=48,
+                                       vocab=10, lags=lags, lag_index=2)
+  assert (fixed["inputs"][:, 0] == synthetic.FIRST + 2).all()
+  with pytest.raises(ValueError, match="must exceed"):
+    memory_tasks.lag_recall_lags(seed=0, stream=0, index=0, batch=1, length=32, vocab=10,
+                                 lags=lags)
+
+
+def test_mqar_gaps_point_at_the_pair():
+  b = synthetic.mqar(seed=1, stream=0, index=0, batch=3, length=96, vocab=64, num_pairs=8)
+  gaps = memory_tasks.mqar_gaps(b)
+  for row, pos in zip(*np.nonzero(b["mask"])):
+    value_pos = pos - gaps[row, pos]
+    assert b["inputs"][row, value_pos - 1] == b["inputs"][row, pos]       # the key
+    assert b["inputs"][row, value_pos] == b["targets"][row, pos]          # its value
+  assert (gaps[b["mask"] == 0] == -1).all()
+  acc = memory_tasks.bucket_accuracy(np.array([1, 0, 1, 1], bool), np.array([1, 3, 5, 9]),
+                                     [1, 4, 8, 16])
+  assert [a["accuracy"] for a in acc] == [0.5, 1.0, 1.0]
+
+
+def test_mamba2_state_arm_matches_frac_state():
+  from experiments.frac_memory import run_config
+  base = _load_config("configs/exp_frac_memory.py")
+  for task, t in base.experiment.tasks.items():
+    frac = run_config(base, task, "frac", 0)
+    m2 = run_config(base, task, "mamba2_state", 0)
+    modes = frac_ops.default_num_modes(t.length)
+    assert m2.model.mixer_options["state_dim"] == modes * frac.model.mixer_options["state_dim"]
+    assert run_config(base, task, "attention", 0).steps == t.steps_by_arm["attention"]
+
+
+# ----------------------------------------------------------------------------- geometry task
+
+def test_geometry_field_labels_need_near_and_far():
+  rng = np.random.default_rng(0)
+  block = np.array([2, 2, 2])
+  for shape in [(8, 8, 8), (6, 8, 10), (10, 10, 5)]:
+    feats, labels = geometry_task.field(rng, shape, block)
+    assert feats.shape == (*shape, geometry_task.CHANNELS) and labels.shape == shape
+    marker = np.argwhere(feats[..., 1:3].sum(-1) > 0)
+    assert len(marker) == 1
+    m = int(np.argmax(feats[tuple(marker[0])][1:3]))
+    obj = feats[..., 0] > 0
+    assert obj.any() and ((labels > 0) == obj).all()
+    cells = np.argwhere(obj)
+    assert (np.max(np.abs(cells // block - marker[0] // block), axis=1) >= 2).all()
+    padded = np.pad(obj, 1)
+    interior = np.ones(shape, bool)
+    for axis in range(3):
+      for step in (-1, 1):
+        interior &= np.roll(padded, step, axis)[1:-1, 1:-1, 1:-1]
+    expected = np.where(obj, 1 + 2 * m + (~interior).astype(int), 0)
+    np.testing.assert_array_equal(labels, expected)
+
+
+def test_geometry_batch_relayout_and_metrics():
+  kw = dict(items=2, fields_per_item=2, shapes=[(6, 8, 10), (8, 8, 8)], block_shape=(2, 2, 2),
+            num_tokens=1024)
+  b = geometry_task.batch(seed=0, stream=0, index=0, **kw)
+  np.testing.assert_array_equal(b["tokens"], geometry_task.batch(seed=0, stream=0, index=0,
+                                                                 **kw)["tokens"])
+  for layout in packing.LAYOUTS:
+    nb, perms = geometry_task.relayout(b, layout, block_shape=(2, 2, 2))
+    for item, p in enumerate(perms):
+      np.testing.assert_array_equal(nb["labels"][item], b["labels"][item][p])
+      assert sorted(p.tolist()) == list(range(1024))
+  m = geometry_task.token_metrics(b["labels"], b["labels"], b["mask"])
+  assert m["acc_objects"] == m["acc_far_marker"] == m["acc_near_surface"] == 1.0
+  wrong_m = np.where(b["labels"] > 0, (b["labels"] - 1 + 2) % 4 + 1, 0)
+  m = geometry_task.token_metrics(wrong_m, b["labels"], b["mask"])
+  assert m["acc_far_marker"] == 0.0 and m["acc_near_surface"] == 1.0
+
+
+# ----------------------------------------------------------------------------- local-only
+
+def test_local_only_merge_is_masked_local_attention():
+  coords = packing.grid_coords((4, 4, 6))[None]            # one field, 2x2x3 cubes of 2^3
+  fids = np.zeros(coords.shape[:2], np.int32)
+  x = jax.random.normal(jax.random.key(0), (1, coords.shape[1], 12))
+  layer = Pack3DAttention(12, 2, block_shape=(2, 2, 2), radius_blocks=0, position="none",
+                          merge="local", impl="xla", rngs=nnx.Rngs(0))
+  got = layer(x, coords, fids)
+  qkv = (x @ layer.w_qkv[...]).reshape(1, -1, 3, 2, 6)
+  q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+  cube = coords[0] // 2
+  local = (np.max(np.abs(cube[:, None] - cube[None]), -1) == 0)
+  s = jnp.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(6)
+  p = jax.nn.softmax(jnp.where(local, s, -jnp.inf), -1)
+  want = jnp.einsum("bhij,bjhd->bihd", p, v).reshape(1, -1, 12) @ layer.w_out[...]
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  joint = Pack3DAttention(12, 2, block_shape=(2, 2, 2), radius_blocks=0, position="none",
+                          impl="xla", rngs=nnx.Rngs(0))
+  assert float(jnp.max(jnp.abs(joint(x, coords, fids) - got))) > 1e-3
+  with pytest.raises(ValueError, match="merge='local' needs impl"):
+    Pack3DAttention(12, 2, merge="local", impl="pallas", position="none", rngs=nnx.Rngs(0))
+
+
+# ----------------------------------------------------------------------------- results file
+
+def test_results_file_resumes(tmp_path):
+  r = common.Results("demo", directory=tmp_path)
+  assert not r.has("a/seed0")
+  r.put("a/seed0", {"x": 1.5})
+  r.set("throughput", {"a": 2})
+  again = common.Results("demo", directory=tmp_path)
+  assert again.has("a/seed0") and again.runs["a/seed0"]["x"] == 1.5
+  assert again.data["throughput"] == {"a": 2}
+  assert common.stats([1.0, 3.0])["mean"] == 2.0 and common.stats([2.0])["std"] == 0.0
+  assert common.fmt(common.stats([1.0, 3.0]), 2) == "2.00 ± 1.41"
+  assert common.selected(["a", "b"], "b") == ["b"]
+  with pytest.raises(ValueError, match="unknown arms"):
+    common.selected(["a"], "c")
