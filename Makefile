@@ -30,3 +30,13 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Issue 12's evidence (RESULTS.md): every arm of the four CPU-scale experiments, hours on
+# 2 cores; each runner resumes (results/<name>.json, runs/experiments/) and skips finished arms.
+.PHONY: experiments
+experiments: setup
+	JAX_PLATFORMS=cpu $(PY) -m experiments.lm_shakespeare --config=configs/exp_lm_shakespeare.py
+	JAX_PLATFORMS=cpu $(PY) -m experiments.frac_memory --config=configs/exp_frac_memory.py
+	JAX_PLATFORMS=cpu $(PY) -m experiments.repacking --config=configs/exp_repacking.py
+	JAX_PLATFORMS=cpu $(PY) -m experiments.seg3d_cpu --config=configs/exp_seg3d_cpu.py
+	$(PY) -m experiments.report > results/tables.md

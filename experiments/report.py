@@ -1,0 +1,171 @@
+"""Markdown tables for RESULTS.md from results/*.json (what the tables there were made from).
+
+  python -m experiments.report [--results_dir=results] > /tmp/tables.md
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+from experiments.common import fmt, stats
+
+
+def _load(directory: pathlib.Path, name: str):
+  path = directory / f"{name}.json"
+  return json.loads(path.read_text()) if path.exists() else None
+
+
+def _table(header, rows) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def _by_arm(runs: dict, order) -> dict:
+  out = {}
+  for r in runs.values():
+    out.setdefault(r["arm"], []).append(r)
+  return {a: sorted(out[a], key=lambda r: r["seed"]) for a in order if a in out}
+
+
+def _load_note(rows) -> str:
+  loads = [r["load_start"]["load1"] for r in rows] + [r["load_end"]["load1"] for r in rows]
+  return f"{min(loads):.1f}-{max(loads):.1f}"
+
+
+def lm(d) -> str:
+  order = ["attention_swiglu", "attention_flashffn", "frac_swiglu", "frac_flashffn",
+           "mamba2_swiglu"]
+  arms = _by_arm(d["runs"], order)
+  thr = d.get("throughput", {}).get("arms", {})
+  ref = stats([r["val_loss_whole"] for r in arms.get("attention_swiglu", [])])["mean"]
+  rows = []
+  for a, rs in arms.items():
+    val = stats([r["val_loss_whole"] for r in rs])
+    rows.append([
+        f"`{a}`", f"{rs[0]['params']:,}", fmt(val, 4),
+        "" if ref is None else f"{val['mean'] - ref:+.4f}",
+        ", ".join(f"{r['val_loss_whole']:.4f}" for r in rs),
+        fmt(stats([r["eval_loss_sampled"] for r in rs]), 3),
+        f"{thr[a]['tokens_per_s']:,.0f}" if a in thr else "n/a",
+        f"{np.mean([r['tokens_per_s_in_run'] for r in rs]):,.0f}",
+        f"{np.mean([r['wall_s'] for r in rs]) / 60:.1f}", _load_note(rs)])
+  out = [_table(["arm", "params", "val loss, whole split (mean ± sd)", "vs attn+SwiGLU",
+                 "per seed (0, 1, 2)", "sampled eval (trainer)", "tokens/s side by side",
+                 "tokens/s in run", "wall min/run", "load avg during runs"], rows)]
+  if "throughput" in d:
+    t = d["throughput"]
+    out.append(f"\nSide-by-side timing: {t['rounds']} rounds x {t['steps_per_round']} steps per "
+               f"arm, best round; load before {t['load_before']['load1']}, after "
+               f"{t['load_after']['load1']}.")
+  if "profile" in d:
+    p = d["profile"]
+    prow = []
+    for a in order:
+      if a not in p["arms"]:
+        continue
+      r = p["arms"][a]
+      prow.append([f"`{a}`", f"{r['train_step_ms']:.1f}", f"{r['mixer_ms_per_layer']:.2f}",
+                   f"{r['mixer_gflops_per_layer']:.3f}", f"{r['ffn_ms_per_layer']:.2f}",
+                   f"{r['ffn_gflops_per_layer']:.3f}",
+                   f"{r['scan_ms_per_layer']:.2f}" if "scan_ms_per_layer" in r else "-",
+                   r.get("num_modes", "-")])
+    out.append("\n" + _table(["arm", "train step ms", "mixer fwd+bwd ms/layer",
+                              "mixer GFLOP/layer", "FFN fwd+bwd ms/layer", "FFN GFLOP/layer",
+                              "scan alone ms/layer", "modes"], prow))
+    out.append(f"\nProfile at [B, L, d] = {p['shape']}, {p['repeats']} repeats; load before "
+               f"{p['load_before']['load1']}, after {p['load_after']['load1']}.")
+  return "\n".join(out)
+
+
+def frac_memory(d) -> str:
+  out = []
+  order = ["frac", "mamba2_params", "mamba2_state", "attention"]
+  for task in ("lag_recall", "mqar"):
+    runs = {k: r for k, r in d["runs"].items() if r["task"] == task}
+    if not runs:
+      continue
+    arms = _by_arm(runs, order + sorted({r["arm"] for r in runs.values()} - set(order)))
+    first = next(iter(arms.values()))[0]
+    field = "by_lag" if task == "lag_recall" else "by_gap"
+    labels = ([str(b["lag"]) for b in first[field]] if task == "lag_recall"
+              else [f"{b['lo']}-{b['hi'] - 1}" for b in first[field]])
+    rows = []
+    for a, rs in arms.items():
+      acc = np.array([[b["accuracy"] if b["accuracy"] is not None else np.nan
+                       for b in r[field]] for r in rs])
+      rows.append([f"`{a}`", f"{rs[0]['params']:,}", rs[0]["state_per_layer"] or "KV cache",
+                   rs[0]["steps"], fmt(stats([r["accuracy"] for r in rs]), 3)]
+                  + [f"{x:.2f}" for x in np.nanmean(acc, 0)]
+                  + [f"{np.mean([r['wall_s'] for r in rs]) / 60:.1f}"])
+    head = ["arm", "params", "state/layer", "steps", "accuracy (all)"] + [
+        ("lag " if task == "lag_recall" else "gap ") + l for l in labels] + ["wall min"]
+    out.append(f"**{task}** (chance {first['chance']:.3f})\n\n" + _table(head, rows))
+  return "\n\n".join(out)
+
+
+def repacking(d) -> str:
+  order = ["learned_packed", "rope_packed", "axial_rope", "none"]
+  arms = _by_arm(d["runs"], order)
+  layouts = ["raster_zyx", "raster_xyz", "morton", "hilbert", "cube_major", "shuffled_fields"]
+  out = []
+  for name in ("train_shapes", "unseen_shapes"):
+    rows = []
+    for a, rs in arms.items():
+      cell = lambda l, key: fmt(stats([r["eval"][name][l][key] for r in rs]), 3)
+      rows.append([f"`{a}`", f"{rs[0]['params']:,}"] + [cell(l, "acc_objects") for l in layouts]
+                  + [f"{max(r['eval'][name][l]['max_logit_change'] for r in rs for l in layouts):.2g}"])
+    out.append(f"**{name.replace('_', ' ')}**: object-token accuracy per layout\n\n" + _table(
+        ["arm", "params"] + layouts + ["max logit change vs raster_zyx"], rows))
+  rows = []
+  for a, rs in arms.items():
+    for name in ("train_shapes", "unseen_shapes"):
+      for l in ("raster_zyx", "hilbert"):
+        e = [r["eval"][name][l] for r in rs]
+        rows.append([f"`{a}`", name.replace("_", " "), l] + [
+            fmt(stats([x[k] for x in e]), 3)
+            for k in ("acc_tokens", "acc_objects", "acc_far_marker", "acc_near_surface")])
+  out.append("Near / far decomposition (object tokens: marker class right = far; surface flag "
+             "right = near)\n\n" + _table(["arm", "shapes", "layout", "all tokens", "objects",
+                                           "far (marker class)", "near (surface)"], rows))
+  walls = {a: np.mean([r["wall_s"] for r in rs]) / 60 for a, rs in arms.items()}
+  out.append("Wall time per run (min): " + ", ".join(f"{a} {w:.1f}" for a, w in walls.items()))
+  return "\n\n".join(out)
+
+
+def seg3d(d) -> str:
+  order = ["pack3d_axial_rope", "pack3d_learned", "local_only", "unet3d", "rope_after",
+           "no_block_bias"]
+  arms = _by_arm(d["runs"], order)
+  ref = stats([r["dice_best"] for r in arms.get("pack3d_axial_rope", [])])["mean"]
+  rows = []
+  for a, rs in arms.items():
+    best = stats([r["dice_best"] for r in rs])
+    rows.append([f"`{a}`", f"{rs[0]['params']:,}", fmt(best, 4),
+                 "" if ref is None else f"{best['mean'] - ref:+.4f}",
+                 fmt(stats([r["dice_final"] for r in rs]), 4),
+                 ", ".join(f"{r['dice_best']:.3f}/{r['dice_final']:.3f}" for r in rs),
+                 f"{np.mean([r['wall_s'] for r in rs]) / 60:.1f}", _load_note(rs)])
+  return _table(["arm", "params", "best macro Dice", "vs Pack3D axial", "final macro Dice",
+                 "per seed best/final", "wall min/run", "load avg"], rows)
+
+
+def main(argv) -> None:
+  directory = pathlib.Path("results")
+  for a in argv[1:]:
+    if a.startswith("--results_dir="):
+      directory = pathlib.Path(a.split("=", 1)[1])
+  for name, fn in (("lm_shakespeare", lm), ("frac_memory", frac_memory),
+                   ("repacking", repacking), ("seg3d_cpu", seg3d)):
+    d = _load(directory, name)
+    if d is None:
+      continue
+    print(f"## {name}\n\nCommand: `{d['meta'].get('command', '')}`\n\n{fn(d)}\n")
+
+
+if __name__ == "__main__":
+  main(sys.argv)
