@@ -6,13 +6,13 @@ layer (one exponential mode) at equal parameters and at equal state size, and at
 Tasks (experiments.memory_tasks):
   lag_recall  L = 2176, lags 1, 2, 4, ..., 2048 (token 0 names the lag), 14 data symbols,
               every lag scored on positions 2049..2175; accuracy per lag.
-  mqar        train.data.synthetic.mqar, L = 1024, 16 key-value pairs, power-law gaps
+  mqar        train.data.synthetic.mqar, L = 512, 16 key-value pairs, power-law gaps
               p(g) ~ g^-0.99 (about uniform in log g); accuracy per log2 gap bucket.
 Model: 2 blocks, d = 64, 2 heads of width 32, SwiGLU d_ff 128. FRAC: N = 16, M modes from the
-context (15 at L = 2176, 13 at L = 1024). mamba2_params: the same shapes with one mode (the
+context (15 at L = 2176, 14 at L = 512). mamba2_params: the same shapes with one mode (the
 parameter counts differ by the 2 alpha logits per layer). mamba2_state: state_dim = M * 16,
 so its state (N * P per head) equals FRAC's M * N * P. Attention's step is ~7-10x FRAC's at
-these lengths on this CPU, so it trains fewer steps (steps_by_arm) to stay in the budget.
+L = 2176 on this CPU, so there it trains fewer steps (steps_by_arm) to stay in the budget.
 """
 
 import ml_collections
@@ -49,9 +49,8 @@ def get_config():
               "batch": 4, "steps": 800, "steps_by_arm": {"attention": 200},
               "eval_sequences_per_lag": 8},
           "mqar": {
-              "length": 1024, "vocab": 256, "num_pairs": 16, "power": 0.01,
-              "batch": 8, "steps": 800, "steps_by_arm": {"attention": 300},
-              "eval_batches": 16},
+              "length": 512, "vocab": 256, "num_pairs": 16, "power": 0.01,
+              "batch": 16, "steps": 800, "steps_by_arm": {}, "eval_batches": 16},
       },
       "task_order": ("lag_recall", "mqar"),
   })
