@@ -240,7 +240,8 @@ def _fwd_bwd(module, *inputs):
 
 def profile_stage(base, arms, results: common.Results, repeats: int = 30) -> None:
   """Per arm: train step, and per layer the mixer and FFN forward+backward alone (ms, FLOPs);
-  for FRAC arms also the scan alone (jaxops.frac.frac_scan, the mixer's XLA path)."""
+  for FlashFFN arms also the FFN through the einsum reference (no chunking/recomputation);
+  for FRAC / Mamba-2 arms the scan alone (jaxops.frac.frac_scan, the mixer's XLA path)."""
   from jaxops import frac as frac_ops  # noqa: PLC0415
   b, l, d = base.batch_size, base.model.context, base.model.d_model
   x = jax.random.normal(jax.random.key(0), (b, l, d))
@@ -256,6 +257,13 @@ def profile_stage(base, arms, results: common.Results, repeats: int = 30) -> Non
       fn, flops = _fwd_bwd(getattr(block, part), x)
       row[f"{part}_ms_per_layer"] = 1e3 * common.timed(fn, x, repeats=repeats)
       row[f"{part}_gflops_per_layer"] = flops / 1e9
+    if config.model.ffn == "flashffn":          # the same FFN through the einsum reference
+      ref_config = copy.deepcopy(config)        # (no token chunks, no recomputation)
+      ref_config.model.impl = "reference"
+      ref_ffn = lm_task.make_model(ref_config).blocks[0].ffn
+      fn, flops = _fwd_bwd(ref_ffn, x)
+      row["ffn_reference_ms_per_layer"] = 1e3 * common.timed(fn, x, repeats=repeats)
+      row["ffn_reference_gflops_per_layer"] = flops / 1e9
     if config.model.mixer in ("frac", "mamba2"):
       m = block.mixer
       h, p, n = m.num_heads, m.head_dim, m.state_dim

@@ -72,11 +72,14 @@ def lm(d) -> str:
       prow.append([f"`{a}`", f"{r['train_step_ms']:.1f}", f"{r['mixer_ms_per_layer']:.2f}",
                    f"{r['mixer_gflops_per_layer']:.3f}", f"{r['ffn_ms_per_layer']:.2f}",
                    f"{r['ffn_gflops_per_layer']:.3f}",
+                   f"{r['ffn_reference_ms_per_layer']:.2f}" if "ffn_reference_ms_per_layer" in r
+                   else "-",
                    f"{r['scan_ms_per_layer']:.2f}" if "scan_ms_per_layer" in r else "-",
                    r.get("num_modes", "-")])
     out.append("\n" + _table(["arm", "train step ms", "mixer fwd+bwd ms/layer",
                               "mixer GFLOP/layer", "FFN fwd+bwd ms/layer", "FFN GFLOP/layer",
-                              "scan alone ms/layer", "modes"], prow))
+                              "FlashFFN via einsum reference ms/layer", "scan alone ms/layer",
+                              "modes"], prow))
     out.append(f"\nProfile at [B, L, d] = {p['shape']}, {p['repeats']} repeats; load before "
                f"{p['load_before']['load1']}, after {p['load_after']['load1']}.")
   return "\n".join(out)
