@@ -4,10 +4,12 @@ import dataclasses
 import json
 import pathlib
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from configs import lm_smoke
 from train import lm_task, trainer
@@ -96,8 +98,11 @@ def test_stop_and_resume_equals_uninterrupted(baseline, tmp_path):
     trainer.fit(c, tmp_path, dataclasses.replace(task, train_batch=preempted))
   assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4"]
   (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-0").mkdir()   # a save cut short
-  trainer.fit(c, tmp_path, task)
+  resumed = trainer.fit(c, tmp_path, task)
   assert losses(tmp_path) == losses(baseline[0])
+  # bit-identical parameters, not only losses
+  chex.assert_trees_all_equal(nnx.state(resumed.model, nnx.Param),
+                              nnx.state(baseline[1].model, nnx.Param))
 
 
 def test_nan_loss_stops_naming_the_step_and_keeps_the_checkpoint(baseline, tmp_path):
