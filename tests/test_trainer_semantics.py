@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from configs import lm_smoke
-from train import lm_task, optim, trainer
+from train import lm_task, optim, seg3d_task, trainer
 from train.metrics import read_metrics
 
 OPTIM = dict(lr=0.05, warmup_steps=2, min_lr_ratio=0.2, weight_decay=0.3, b1=0.8, b2=0.9,
@@ -302,3 +302,47 @@ def test_synthetic_evaluation_stream_differs_from_training():
   train_batch, eval_batch = lm_task.synthetic_batches(c)
   assert not np.array_equal(train_batch(index=0)["inputs"], eval_batch(index=0)["inputs"])
   np.testing.assert_array_equal(eval_batch(index=0)["inputs"], eval_batch(index=0)["inputs"])
+
+
+# ----------------------------------------------------------------------------- losses
+
+def _log_softmax(z):
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_lm_loss_is_the_masked_mean_cross_entropy():
+  """lm_task.lm_loss: mean next-token cross entropy (nats), over the masked positions when
+  the batch has a mask, with the accuracy of the argmax there."""
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 7, 11)) * 3
+  targets = rng.integers(0, 11, (2, 7))
+  mask = (rng.random((2, 7)) < 0.4).astype(np.float32)
+  model = lambda inputs: jnp.asarray(logits, jnp.float32)
+  nll = -np.take_along_axis(_log_softmax(logits), targets[..., None], -1)[..., 0]
+  loss, aux = lm_task.lm_loss(model, {"inputs": None, "targets": jnp.asarray(targets)})
+  np.testing.assert_allclose(loss, nll.mean(), rtol=1e-5)
+  assert aux == {}
+  loss, aux = lm_task.lm_loss(model, {"inputs": None, "targets": jnp.asarray(targets),
+                                      "mask": jnp.asarray(mask)})
+  np.testing.assert_allclose(loss, (nll * mask).sum() / mask.sum(), rtol=1e-5)
+  correct = (logits.argmax(-1) == targets) * mask
+  np.testing.assert_allclose(aux["accuracy"], correct.sum() / mask.sum(), rtol=1e-6)
+
+
+def test_segmentation_loss_and_macro_dice():
+  """seg3d_task.segmentation_loss: voxel cross entropy over the real (mask 1) voxels, and
+  macro Dice (2|P n G| + 1) / (|P| + |G| + 1) over the foreground classes 1..K-1 of the
+  argmax prediction, inside the mask."""
+  rng = np.random.default_rng(1)
+  logits = rng.normal(size=(3, 40, 4)) * 2
+  labels = rng.integers(0, 4, (3, 40))
+  mask = (rng.random((3, 40)) < 0.7).astype(np.float32)
+  loss, aux = seg3d_task.segmentation_loss(jnp.asarray(logits, jnp.float32),
+                                           jnp.asarray(labels), jnp.asarray(mask))
+  nll = -np.take_along_axis(_log_softmax(logits), labels[..., None], -1)[..., 0]
+  np.testing.assert_allclose(loss, (nll * mask).sum() / mask.sum(), rtol=1e-5)
+  pred = logits.argmax(-1)
+  dice = [(2 * ((pred == c) * (labels == c) * mask).sum() + 1)
+          / (((pred == c) * mask).sum() + ((labels == c) * mask).sum() + 1) for c in (1, 2, 3)]
+  np.testing.assert_allclose(aux["dice"], np.mean(dice), rtol=1e-6)
