@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxops.frac_chunk import Modes, TileLayout, chunk_backward, chunk_forward
+from jaxops.frac_chunk import Modes, TilePlan, chunk_backward, chunk_forward
 
 _F32 = jnp.float32
 
@@ -221,69 +221,80 @@ def frac_scan_reference(x, dt, b, c, rates, weights, initial_state=None):
 # Chunked XLA path.
 # ----------------------------------------------------------------------------
 
-def _to_chunks(layout: TileLayout, a):
+def _to_chunks(plan: TilePlan, a):
   """[G, Lp, X] -> [C, G, Q, X]: chunks first, for lax.scan."""
-  return jnp.moveaxis(a.reshape(a.shape[0], layout.num_chunks, layout.chunk, -1), 1, 0)
+  return jnp.moveaxis(a.reshape(a.shape[0], plan.num_chunks, plan.chunk, -1), 1, 0)
 
 
-def _from_chunks(layout: TileLayout, a):
+def _from_chunks(plan: TilePlan, a):
   """Inverse of `_to_chunks`."""
-  return jnp.moveaxis(a, 0, 1).reshape(a.shape[1], layout.length, -1)
+  return jnp.moveaxis(a, 0, 1).reshape(a.shape[1], plan.length, -1)
 
 
-def _scan_chunks(layout: TileLayout, x, bd, c, t, modes: Modes, state, *, save_starts):
+def _per_mode(plan: TilePlan, state):
+  """[G, M * n, p] -> M arrays [G, n, p]."""
+  return list(jnp.moveaxis(state.reshape(state.shape[0], plan.m_pad, plan.n, -1), 1, 0))
+
+
+def _stacked(states):
+  """Inverse of `_per_mode`."""
+  return jnp.concatenate(states, axis=1)
+
+
+def _scan_chunks(plan: TilePlan, x, bd, c, t, modes: Modes, state, *, save_starts):
   """Forward over chunks in tile layout: (y [G, Lp, P], final state, chunk-start states)."""
-  to_chunks = functools.partial(_to_chunks, layout)
-  forward = jax.vmap(chunk_forward, in_axes=(0, 0, 0, 0, 0, None, 0))
+  to_chunks = functools.partial(_to_chunks, plan)
+  forward = jax.vmap(chunk_forward)
 
   def body(state, xs):
-    y, new_state = forward(*xs, modes, layout.rep(), state)
-    return new_state, (y, state)
+    y, states = forward(*xs, modes, _per_mode(plan, state))
+    return _stacked(states), (y, state)
 
   state, (y, starts) = jax.lax.scan(body, state, tuple(map(to_chunks, (x, bd, c, t))))
-  return _from_chunks(layout, y), state, starts if save_starts else None
+  return _from_chunks(plan, y), state, starts if save_starts else None
 
 
-def _unscan_chunks(layout: TileLayout, x, bd, c, t, modes: Modes, starts, dy, dstate):
+def _unscan_chunks(plan: TilePlan, x, bd, c, t, modes: Modes, starts, dy, dstate):
   """Backward over chunks, last first, from the saved chunk-start states."""
-  to_chunks = functools.partial(_to_chunks, layout)
-  backward = jax.vmap(chunk_backward, in_axes=(0, 0, 0, 0, 0, None, 0, 0, 0))
+  to_chunks = functools.partial(_to_chunks, plan)
+  backward = jax.vmap(chunk_backward)
 
   def body(dstate, xs):
     *tiles, start, dy = xs
-    dx, dbd, dc, dt, dmodes, dstate = backward(*tiles, modes, layout.rep(), start, dy, dstate)
-    return dstate, (dx, dbd, dc, dt, dmodes)
+    dx, dbd, dc, dt, dmodes, dstates = backward(*tiles, modes, _per_mode(plan, start), dy,
+                                                _per_mode(plan, dstate))
+    return _stacked(dstates), (dx, dbd, dc, dt, dmodes)
 
   xs = (*map(to_chunks, (x, bd, c, t)), starts, to_chunks(dy))
   dstate, (dx, dbd, dc, dt, dmodes) = jax.lax.scan(body, dstate, xs, reverse=True)
   dmodes = jax.tree.map(lambda a: jnp.sum(a, axis=0), dmodes)
-  return (*(_from_chunks(layout, a) for a in (dx, dbd, dc, dt)), dmodes, dstate)
+  return (*(_from_chunks(plan, a) for a in (dx, dbd, dc, dt)), dmodes, dstate)
 
 
-def scan_vjp(layout: TileLayout, forward, backward):
+def scan_vjp(plan: TilePlan, forward, backward):
   """A differentiable scan from tile-level forward/backward functions (XLA or kernels).
 
   forward(x, bd, c, t, modes, state, *, save_starts) -> (y, state, starts or None) and
   backward(x, bd, c, t, modes, starts, dy, dstate) -> (dx, dbd, dc, dt, dmodes, dstate)
-  work in `layout`; the layout change itself (padding, cumulative dt, bd = dt b,
-  the mode forms) is differentiated by JAX.
+  work in the tile plan `plan`; the layout change itself (padding, cumulative dt,
+  bd = dt b, per-group mode rows) is differentiated by JAX.
   Returns f(x, dt, b, c, rates, weights, state) -> (y, state).
   """
   @jax.custom_vjp
   def scan(*args):
-    y, state, _ = forward(*layout.tiles(*args), save_starts=False)
-    return layout.untile(y, state, *_shape_args(args))
+    y, state, _ = forward(*plan.tiles(*args), save_starts=False)
+    return plan.untile(y, state, *_shape_args(args))
 
   def fwd(*args):
-    y, state, starts = forward(*layout.tiles(*args), save_starts=True)
-    return layout.untile(y, state, *_shape_args(args)), (args, starts)
+    y, state, starts = forward(*plan.tiles(*args), save_starts=True)
+    return plan.untile(y, state, *_shape_args(args)), (args, starts)
 
   def bwd(residuals, cotangents):
     args, starts = residuals
-    tiles, tiles_vjp = jax.vjp(layout.tiles, *args)
+    tiles, tiles_vjp = jax.vjp(plan.tiles, *args)
     x, bd, c, t, modes, state = tiles
-    untile = lambda y, s: layout.untile(y, s, *_shape_args(args))
-    dy, dstate = jax.linear_transpose(untile, jnp.zeros(x.shape[:2] + (layout.p,), _F32),
+    untile = lambda y, s: plan.untile(y, s, *_shape_args(args))
+    dy, dstate = jax.linear_transpose(untile, jnp.zeros(x.shape[:2] + (plan.p,), _F32),
                                       state)(cotangents)
     grads = backward(x, bd, c, t, modes, starts, dy, dstate)
     return tiles_vjp(jax.tree.map(lambda g, a: g.astype(a.dtype), grads, tiles))
@@ -309,7 +320,7 @@ def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int = 6
   if chunk <= 0:
     raise ValueError(f"frac_scan: `chunk` must be positive, got {chunk}")
   state = zero_state(x, b, rates) if initial_state is None else initial_state.astype(_F32)
-  layout = TileLayout.make(x, b, rates, chunk=chunk)
-  scan = scan_vjp(layout, functools.partial(_scan_chunks, layout),
-                  functools.partial(_unscan_chunks, layout))
+  plan = TilePlan.make(x, b, rates, chunk=chunk)
+  scan = scan_vjp(plan, functools.partial(_scan_chunks, plan),
+                  functools.partial(_unscan_chunks, plan))
   return scan(x, dt, b, c, rates, weights, state)

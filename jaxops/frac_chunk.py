@@ -1,31 +1,35 @@
-"""One chunk of the FRAC scan, forward and backward, as 2-D tile math; and the tile layout.
+"""One chunk of the FRAC scan, forward and backward, as 2-D tile math; and the tile plan.
 
 The chunked XLA path (`jaxops.frac.frac_scan`, vmapped over groups) and both Pallas
 kernels (`pallas_kernels.frac_scan`, Mosaic and Triton) run these same functions. They
 use only ops both Pallas backends lower: 2-D matmuls, elementwise math, masked row and
 column sums (no cumsum, no slicing of values, no integer division).
 
-One group g = (batch element, head) and one chunk of Q tokens. With M modes and the
-state's N rows folded into K = M * N ("mode-major": k = j * N + n)::
+One group g = (batch element, head), one chunk of Q tokens and one block of p columns
+of the head width P (the columns are independent: Triton splits them across programs to
+keep each program's state in registers)::
 
-  x [Q, P]     bd [Q, N] = dt * b     c [Q, N]     t [Q, 1] = sum_{s<=t} dt_s (in the chunk)
-  state [K, P] (float32; row j * N + n is row n of S^j)
+  x [Q, p]   bd [Q, N] = dt * b   c [Q, N]   t [Q, 1] = sum_{s<=t} dt_s (in the chunk)
+  S_j [N, p] (float32), one per mode j = 0..M-1, with rate r_j and weight w_j
 
   Lmix[t, tau] = sum_j w_j exp(-r_j (t_t - t_tau))                    tau <= t, else 0
-  y     = ((c bd^T) * Lmix) x  +  ((c R) * w_k exp(-r_k t)) state
-  state <- exp(-r_k t_Q) * state  +  ((bd R) * exp(-r_k (t_Q - t)))^T x
+  y     = ((c bd^T) * Lmix) x  +  sum_j (c * w_j e^{-r_j t}) S_j
+  S_j  <- e^{-r_j t_Q} S_j  +  (bd * e^{-r_j (t_Q - t)})^T x
 
-R [N, K] (R[n, j N + n] = 1) repeats c and bd once per mode; r_k, w_k are the rates and
-weights repeated the same way. Every exponent is -rate * (a difference of cumulative dt)
-<= 0, so nothing overflows; the modes meet in Lmix only, so the Q x Q part costs what a
-single mode costs and the M modes only widen the state contraction.
+Every exponent is -rate * (a difference of cumulative dt) <= 0, so nothing overflows.
+The modes meet in Lmix only, so the Q x Q part costs what one mode costs; each mode
+then adds two [Q, N] x [N, p]-sized matmuls, and nothing wider than [Q, max(Q, N, p)]
+is ever live (the registers of one GPU thread block hold it).
+
+Precision: matmuls of inputs (x, c, bd, their cotangents) run in the input dtype with
+float32 accumulation (bf16 on the MXU / tensor cores for bf16 inputs); everything that
+touches a state, and every decay, is float32 (f32 matmuls at HIGHEST precision).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,22 +41,26 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class Modes(NamedTuple):
-  """Rates and weights of one group in the forms the tile math reads them."""
+  """Rates and weights of one group as rows [1, M_pad] (float32; padded modes are 0)."""
 
-  rate_row: jax.Array     # [1, M]
-  weight_row: jax.Array   # [1, M]
-  rate_rep: jax.Array     # [1, K]  rate of mode j at k = j * N + n
-  weight_rep: jax.Array   # [1, K]
-  rate_col: jax.Array     # [K, 1]
+  rates: jax.Array
+  weights: jax.Array
 
 
 # ----------------------------------------------------------------------------
 # Small helpers that lower in Mosaic and Triton alike.
 # ----------------------------------------------------------------------------
 
-_dot = functools.partial(tiling.dot, precision=_HIGHEST)
-_dot_nt = functools.partial(tiling.dot_nt, precision=_HIGHEST)  # a @ b^T
-_dot_tn = functools.partial(tiling.dot_tn, precision=_HIGHEST)  # a^T @ b
+def _mm(form, a, b, low):
+  """Matmul `form` (tiling.dot / dot_nt / dot_tn) with float32 accumulation: in `low`
+  (the inputs' dtype) when that is not float32, else float32 at HIGHEST precision."""
+  if low != _F32:
+    return form(a.astype(low), b.astype(low))
+  return form(a.astype(_F32), b.astype(_F32), precision=_HIGHEST)
+
+
+def _f32(form, a, b):
+  return form(a.astype(_F32), b.astype(_F32), precision=_HIGHEST)
 
 
 def _iota(shape, dim):
@@ -78,9 +86,18 @@ def _total(a):
   return jnp.sum(jnp.sum(a, axis=1, keepdims=True), axis=0, keepdims=True)
 
 
+def _rowsum(a):
+  return jnp.sum(a, axis=1, keepdims=True)
+
+
 def _entry(row, j):
   """row[0, j] as [1, 1]."""
   return jnp.sum(jnp.where(_iota(row.shape, 1) == j, row, 0.0), axis=1, keepdims=True)
+
+
+def _at(j, value, width):
+  """A [1, width] row holding `value` ([1, 1]) at column j, zeros elsewhere."""
+  return jnp.where(_iota((1, width), 1) == j, value, 0.0)
 
 
 def _last(col):
@@ -96,137 +113,167 @@ class _Chunk(NamedTuple):
   delta: jax.Array   # [Q, Q] t_t - t_tau on and below the diagonal, 0 above
   t_end: jax.Array   # [1, 1]
   lmix: jax.Array    # [Q, Q]
-  grow: jax.Array    # [Q, K] exp(-r_k t): decay from the chunk start to token t
-  into: jax.Array    # [Q, K] w_k exp(-r_k t)
-  out_of: jax.Array  # [Q, K] exp(-r_k (t_Q - t)): decay from token t to the chunk end
-  keep: jax.Array    # [K, 1] exp(-r_k t_Q)
 
 
-def _mix(delta, modes: Modes):
-  """Lmix before masking: sum_j w_j exp(-r_j delta) (M static, unrolled)."""
-  out = jnp.zeros_like(delta)
-  for j in range(modes.rate_row.shape[1]):
-    out += _entry(modes.weight_row, j) * jnp.exp(-_entry(modes.rate_row, j) * delta)
-  return out
+class _Mode(NamedTuple):
+  """Decays of mode j in one chunk."""
+
+  rate: jax.Array    # [1, 1]
+  weight: jax.Array  # [1, 1]
+  grow: jax.Array    # [Q, 1] e^{-r t}: from the chunk start to token t
+  out_of: jax.Array  # [Q, 1] e^{-r (t_Q - t)}: from token t to the chunk end
+  keep: jax.Array    # [1, 1] e^{-r t_Q}
 
 
-def _prepare(t, modes: Modes) -> _Chunk:
+def _prepare(t, modes: Modes, num_modes: int) -> _Chunk:
   q = t.shape[0]
   causal = _iota((q, q), 0) >= _iota((q, q), 1)
-  t_end = _last(t)
   delta = jnp.where(causal, t - _to_row(t), 0.0)
-  grow = jnp.exp(-modes.rate_rep * t)
-  return _Chunk(causal, delta, t_end, jnp.where(causal, _mix(delta, modes), 0.0), grow,
-                modes.weight_rep * grow, jnp.exp(-modes.rate_rep * (t_end - t)),
-                jnp.exp(-modes.rate_col * t_end))
+  lmix = jnp.zeros_like(delta)
+  for j in range(num_modes):
+    lmix += _entry(modes.weights, j) * jnp.exp(-_entry(modes.rates, j) * delta)
+  return _Chunk(causal, delta, _last(t), jnp.where(causal, lmix, 0.0))
+
+
+def _mode(t, t_end, modes: Modes, j) -> _Mode:
+  rate, weight = _entry(modes.rates, j), _entry(modes.weights, j)
+  return _Mode(rate, weight, jnp.exp(-rate * t), jnp.exp(-rate * (t_end - t)),
+               jnp.exp(-rate * t_end))
 
 
 # ----------------------------------------------------------------------------
 # Forward and backward of one chunk.
 # ----------------------------------------------------------------------------
 
-def chunk_forward(x, bd, c, t, modes: Modes, rep, state):
-  """One chunk: returns (y [Q, P] float32, state at the chunk end [K, P] float32)."""
-  x, bd, c = (a.astype(_F32) for a in (x, bd, c))
-  k = _prepare(t, modes)
-  y = _dot(_dot_nt(c, bd) * k.lmix, x) + _dot(_dot(c, rep) * k.into, state)
-  state = k.keep * state + _dot_tn(_dot(bd, rep) * k.out_of, x)
-  return y, state
+def chunk_forward(x, bd, c, t, modes: Modes, states: Sequence[jax.Array]):
+  """One chunk: returns (y [Q, p] float32, the M states at the chunk end, float32).
+
+  x, c in the input dtype; bd, t float32; states: M arrays [N, p] float32.
+  """
+  low = x.dtype
+  k = _prepare(t, modes, len(states))
+  y = _mm(tiling.dot, _mm(tiling.dot_nt, c, bd, low) * k.lmix, x, low)
+  new_states = []
+  for j, state in enumerate(states):
+    mode = _mode(t, k.t_end, modes, j)
+    y += _f32(tiling.dot, c * (mode.weight * mode.grow), state)
+    new_states.append(mode.keep * state + _mm(tiling.dot_tn, bd * mode.out_of, x, low))
+  return y, new_states
 
 
-def _mix_backward(delta, dlmix, modes: Modes):
-  """Cotangents of delta, rate_row and weight_row from the cotangent of Lmix."""
-  m = modes.rate_row.shape[1]
-  ddelta = jnp.zeros_like(delta)
-  drate = dweight = jnp.zeros((1, m), _F32)
-  for j in range(m):
-    rate, weight = _entry(modes.rate_row, j), _entry(modes.weight_row, j)
-    g = dlmix * jnp.exp(-rate * delta)
-    onehot = _iota((1, m), 1) == j
-    dweight += jnp.where(onehot, _total(g), 0.0)
-    drate -= jnp.where(onehot, weight * _total(g * delta), 0.0)
-    ddelta -= (weight * rate) * g
-  return ddelta, drate, dweight
-
-
-def chunk_backward(x, bd, c, t, modes: Modes, rep, state, dy, dstate):
-  """Reverse of `chunk_forward` given the state at the chunk start.
+def chunk_backward(x, bd, c, t, modes: Modes, states, dy, dstates):
+  """Reverse of `chunk_forward` given the M states at the chunk start.
 
   Args:
-    dy: [Q, P] cotangent of y; dstate: [K, P] cotangent of the state at the chunk end.
+    dy: [Q, p] cotangent of y; dstates: M arrays [N, p], cotangents of the end states.
 
   Returns:
-    (dx, dbd, dc, dt, dmodes, dstate at the chunk start), all float32; dt is the
-    cotangent of t (the in-chunk cumulative dt) and dmodes a `Modes` of cotangents.
+    (dx, dbd, dc, dt, dmodes, dstates at the chunk start), all float32; dt is the
+    cotangent of t (the in-chunk cumulative dt), dmodes a `Modes` of cotangent rows.
+    With the columns split into blocks, every result but dx and dstates is this block's
+    share and the blocks' shares add up.
   """
-  x, bd, c = (a.astype(_F32) for a in (x, bd, c))
-  k = _prepare(t, modes)
-  cb, c_rep, bd_rep = _dot_nt(c, bd), _dot(c, rep), _dot(bd, rep)
-  d_in = _dot_nt(dy, state)        # d(c_rep * into)    [Q, K]
-  d_out = _dot_nt(x, dstate)       # d(bd_rep * out_of) [Q, K]
-  dscores = _dot_nt(dy, x)         # d(cb * lmix)       [Q, Q]
+  low, m_pad = x.dtype, modes.rates.shape[1]
+  k = _prepare(t, modes, len(states))
+  cb = _mm(tiling.dot_nt, c, bd, low)                    # [Q, Q]
+  dscores = _mm(tiling.dot_nt, dy, x, low)               # d(cb * lmix)
   dcb = dscores * k.lmix
-  dx = _dot_tn(cb * k.lmix, dy) + _dot(bd_rep * k.out_of, dstate)
-  dc = _dot(dcb, bd) + _dot_nt(d_in * k.into, rep)
-  dbd = _dot_tn(dcb, c) + _dot_nt(d_out * k.out_of, rep)
-  dstate_start = k.keep * dstate + _dot_tn(c_rep * k.into, dy)
-
-  # Rates, weights and warped time: g_* is (cotangent of a decay) * (that decay).
-  g_in = d_in * c_rep * k.into
-  g_out = d_out * bd_rep * k.out_of
-  g_keep = jnp.sum(state * dstate, axis=1, keepdims=True) * k.keep       # [K, 1]
-  ddelta, drate_row, dweight_row = _mix_backward(
-      k.delta, jnp.where(k.causal, dscores * cb, 0.0), modes)
-  drate_rep = -jnp.sum(g_in * t + g_out * (k.t_end - t), axis=0, keepdims=True)
-  dweight_rep = jnp.sum(d_in * c_rep * k.grow, axis=0, keepdims=True)
-  drate_col = -k.t_end * g_keep
-  dt_end = -_total(g_out * modes.rate_rep) - jnp.sum(modes.rate_col * g_keep, axis=0,
-                                                     keepdims=True)
-  dt = (jnp.sum((g_out - g_in) * modes.rate_rep, axis=1, keepdims=True)
-        + jnp.sum(ddelta, axis=1, keepdims=True)
-        - _to_col(jnp.sum(ddelta, axis=0, keepdims=True))
+  dx = _mm(tiling.dot_tn, cb * k.lmix, dy, low)
+  dc = _mm(tiling.dot, dcb, bd, low)
+  dbd = _mm(tiling.dot_tn, dcb, c, low)
+  drates = dweights = jnp.zeros((1, m_pad), _F32)
+  dt_col = jnp.zeros_like(t)
+  dt_end = jnp.zeros((1, 1), _F32)
+  dstates_start = []
+  for j, (state, dstate) in enumerate(zip(states, dstates)):
+    mode = _mode(t, k.t_end, modes, j)
+    into = mode.weight * mode.grow                        # [Q, 1]
+    # y += (c * into) S_j
+    d_c_in = _f32(tiling.dot_nt, dy, state)               # [Q, N]
+    dc += d_c_in * into
+    d_into = _rowsum(d_c_in * c)                          # [Q, 1]
+    dstates_start.append(mode.keep * dstate + _f32(tiling.dot_tn, c * into, dy))
+    # S_j' = keep S_j + (bd * out_of)^T x
+    d_bd_out = _f32(tiling.dot_nt, x, dstate)             # [Q, N]
+    dbd += d_bd_out * mode.out_of
+    dx += _f32(tiling.dot, bd * mode.out_of, dstate)
+    # Through the decays: g = (cotangent of a decay) * (that decay).
+    g_in = d_into * into
+    g_out = _rowsum(d_bd_out * bd) * mode.out_of
+    g_keep = _total(state * dstate) * mode.keep
+    dweights += _at(j, _total(d_into * mode.grow), m_pad)
+    drates -= _at(j, _total(g_in * t + g_out * (k.t_end - t)) + g_keep * k.t_end, m_pad)
+    dt_col += (g_out - g_in) * mode.rate
+    dt_end -= (_total(g_out) + g_keep) * mode.rate
+  # Through Lmix = sum_j w_j exp(-r_j delta) on the causal part.
+  dlmix = jnp.where(k.causal, dscores * cb, 0.0)
+  ddelta = jnp.zeros_like(k.delta)
+  for j in range(len(states)):
+    rate, weight = _entry(modes.rates, j), _entry(modes.weights, j)
+    g = dlmix * jnp.exp(-rate * k.delta)
+    dweights += _at(j, _total(g), m_pad)
+    drates -= _at(j, weight * _total(g * k.delta), m_pad)
+    ddelta -= (weight * rate) * g
+  dt = (dt_col + _rowsum(ddelta) - _to_col(jnp.sum(ddelta, axis=0, keepdims=True))
         + jnp.where(_iota(t.shape, 0) == t.shape[0] - 1, dt_end, 0.0))
-  dmodes = Modes(drate_row, dweight_row, drate_rep, dweight_rep, drate_col)
-  return dx, dbd, dc, dt, dmodes, dstate_start
+  return dx, dbd, dc, dt, Modes(drates, dweights), dstates_start
 
 
 # ----------------------------------------------------------------------------
-# Layout: [Bt, L, H, X] <-> per-group tiles [G, Lp, X'], G = Bt * H.
+# The tile plan: [Bt, L, H, X] <-> per-group tiles [G, Lp, X'], G = Bt * H.
 # ----------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class TileLayout:
-  """Chunk size and padded extents: L -> length (a multiple of chunk), P, N, M -> p, n, m.
+class TilePlan:
+  """Chunk size and padded extents: L -> length (a multiple of chunk), P -> p (a multiple
+  of p_block), N -> n, and M modes in m_pad, a multiple of m_align and of m_block (modes
+  are independent given the inputs, so a kernel may give each program a block of them;
+  any power of two <= m_align divides m_pad).
 
   Padding is inert: padded tokens have dt = 0 and x = b = c = 0, padded modes have
-  rate = weight = 0 and padded rows of b, c and the state are zero.
+  rate = weight = 0 (their states are never read) and padded rows of b, c and the state
+  are zero.
   """
 
   chunk: int
   length: int
   p: int
+  p_block: int
   n: int
   m: int
+  m_align: int
+  m_pad: int
+  m_block: int
 
   @classmethod
-  def make(cls, x, b, rates, *, chunk: int, pow2: bool = False) -> "TileLayout":
-    """pow2: widths rounded up to powers of two >= 16 (Triton's rule; Mosaic accepts it)."""
+  def make(cls, x, b, rates, *, chunk: int, mode_align: int | None = None,
+           pow2: bool = False) -> "TilePlan":
+    """pow2: chunk and N >= 16, P and the mode alignment rounded to powers of two
+    (Triton's rule; Mosaic accepts it). One block of all P columns and all M modes; a
+    kernel splits them with `dataclasses.replace(plan, p_block=..., m_block=...)`."""
     _, length, _, p = x.shape
     n, m = b.shape[3], rates.shape[1]
+    m_align = min(mode_align or m, m)
     if pow2:
       up = tiling.next_pow2
-      chunk, p, n, m = up(chunk), up(p), up(n), up(m, minimum=1)
-    chunk = min(chunk, tiling.next_pow2(length, 16) if pow2 else length)
-    return cls(chunk, tiling.round_up(length, chunk), p, n, m)
+      chunk, n, p = min(up(chunk), up(length, 16)), up(n), up(p)
+      m_align = 1 << (m_align.bit_length() - 1)        # the largest power of two <= m_align
+    else:
+      chunk = min(chunk, length)
+    m_pad = tiling.round_up(m, m_align)
+    return cls(chunk, tiling.round_up(length, chunk), p, p, n, m, m_align, m_pad, m_pad)
 
   @property
   def num_chunks(self) -> int:
     return self.length // self.chunk
 
-  def rep(self):
-    """R [n, m * n]: R[i, j * n + i] = 1."""
-    k = jnp.arange(self.m * self.n)
-    return (k[None, :] % self.n == jnp.arange(self.n)[:, None]).astype(_F32)
+  @property
+  def num_p_blocks(self) -> int:
+    return self.p // self.p_block
+
+  @property
+  def num_m_blocks(self) -> int:
+    return self.m_pad // self.m_block
 
   def _groups(self, a, width):
     """[Bt, L, H, X] -> [G, length, width], zero-padded."""
@@ -235,30 +282,27 @@ class TileLayout:
     return jnp.pad(a, ((0, 0), (0, self.length - length), (0, width - x_width)))
 
   def tiles(self, x, dt, b, c, rates, weights, state):
-    """Inputs in tile layout: (x, bd, c, t, modes, state), t and bd float32."""
+    """Inputs in tile layout: (x, bd, c, t, modes, state) with bd, t float32,
+    modes rows [G, 1, m_pad], state [G, m_pad * n, p] float32."""
     batch = x.shape[0]
     dt = self._groups(dt.astype(_F32)[..., None], 1)
     t = jnp.cumsum(dt.reshape(-1, self.num_chunks, self.chunk), axis=-1).reshape(dt.shape)
     bd = self._groups(b.astype(_F32), self.n) * dt
 
-    def per_group(v):  # [H, M] -> [G, m]
-      v = jnp.pad(v.astype(_F32), ((0, 0), (0, self.m - v.shape[1])))
-      return jnp.broadcast_to(v, (batch,) + v.shape).reshape(-1, self.m)
+    def per_group(v):  # [H, M] -> [G, 1, m_pad]
+      v = jnp.pad(v.astype(_F32), ((0, 0), (0, self.m_pad - v.shape[1])))
+      return jnp.broadcast_to(v, (batch,) + v.shape).reshape(-1, 1, self.m_pad)
 
-    rate, weight = per_group(rates), per_group(weights)
-    rate_rep, weight_rep = (jnp.repeat(v, self.n, axis=1)[:, None] for v in (rate, weight))
-    modes = Modes(rate[:, None], weight[:, None], rate_rep, weight_rep,
-                  jnp.moveaxis(rate_rep, 1, 2))
     m, n, p = state.shape[2:]
-    state = jnp.pad(state.astype(_F32), ((0, 0),) * 2 + ((0, self.m - m), (0, self.n - n),
-                                                           (0, self.p - p)))
-    return (self._groups(x, self.p), bd, self._groups(c, self.n), t, modes,
-            state.reshape(-1, self.m * self.n, self.p))
+    state = jnp.pad(state.astype(_F32),
+                    ((0, 0),) * 2 + ((0, self.m_pad - m), (0, self.n - n), (0, self.p - p)))
+    return (self._groups(x, self.p), bd, self._groups(c, self.n), t,
+            Modes(per_group(rates), per_group(weights)),
+            state.reshape(-1, self.m_pad * self.n, self.p))
 
   def untile(self, y, state, x, b, rates):
-    """(y [G, length, p], state [G, m * n, p]) -> (y [Bt, L, H, P], state [Bt, H, M, N, P])."""
+    """(y [G, length, p], state [G, m_pad * n, p]) -> (y [Bt, L, H, P], state [Bt, H, M, N, P])."""
     batch, length, heads, p = x.shape
     y = y[:, :length, :p].reshape(batch, heads, length, p)
-    state = state.reshape(batch, heads, self.m, self.n, self.p)
-    return (jnp.moveaxis(y, 1, 2).astype(x.dtype),
-            state[:, :, :rates.shape[1], :b.shape[3], :p])
+    state = state.reshape(batch, heads, self.m_pad, self.n, self.p)
+    return jnp.moveaxis(y, 1, 2).astype(x.dtype), state[:, :, :self.m, :b.shape[3], :p]

@@ -56,6 +56,7 @@ def run_target(target, cases, timeout: float) -> list[dict]:
       if not ready:  # the current case ran past the deadline
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        current = current or pending[0]
         results.append({"case": current.name, "target": target.name, "status": "timeout",
                         "error": f"no result after {timeout:.0f} s",
                         "expect_failure": current.expect_failure, "compile_s": timeout})
@@ -81,7 +82,7 @@ def run_target(target, cases, timeout: float) -> list[dict]:
         results.append(json.loads(line[len("RESULT "):]))
         print(_line(results[-1]), flush=True)
         pending.remove(current)
-        current = None
+        current, deadline = None, time.monotonic() + timeout
   return results
 
 

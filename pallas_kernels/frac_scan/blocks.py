@@ -1,0 +1,49 @@
+"""FRAC scan tile sizes: the dataclass and the per-chip tuned table.
+
+The chunk length and the padded mode count are not block sizes here: they fix the
+shapes of the chunk-start states saved for the backward, which both platform branches
+must agree on, so they are the op's `chunk` argument and `MODE_ALIGN`. Each entry is
+compiled for its chip by `make compile-check`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.dispatch import Backend, tuned
+
+
+# Modes are padded to a multiple of this (capped at the largest power of two <= M), so
+# any power-of-two mode block up to it divides the padded count.
+MODE_ALIGN = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Triton launch shape (Mosaic runs one program per group over all of P).
+
+  p_block: columns of the head width P per program.
+  m_block: modes per program (at most MODE_ALIGN); the program's m_block states
+    ([N, p_block] float32 each) live in registers across the chunk loop.
+  num_warps, num_stages: Triton launch parameters.
+  """
+
+  p_block: int = 16
+  m_block: int = 4
+  num_warps: int = 4
+  num_stages: int = 1
+
+  @classmethod
+  def for_backend(cls, backend: Backend, dtype) -> "BlockSizes":
+    return tuned(TUNED, backend, dtype, cls())
+
+
+# (backend, chip or None for any, dtype) -> BlockSizes; None entries fit the smallest chip.
+# Measured with ptxas at chunk 32, N = 16: 4 modes per program spill ~1 KiB (f32); bf16
+# (whose casts keep more values live) spills ~600 B at 2 modes and 8 warps. One mode per
+# program spills least but adds more bf16-rounded partial sums (3.7x the XLA path's dc
+# error in tests/test_frac_scan.py, against 1.6x at 2 modes). 64-token chunks spill more.
+TUNED = {
+    ("triton", None, "float32"): BlockSizes(p_block=16, m_block=2, num_warps=4),
+    ("triton", None, "bfloat16"): BlockSizes(p_block=16, m_block=2, num_warps=8),
+}
