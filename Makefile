@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-slow demo bench clean
+.PHONY: setup test test-slow mutants demo bench clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,11 @@ test: setup
 
 test-slow: setup
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m slow
+
+# Deliberate small bugs, each applied to a temporary copy of the tree with the tests that must
+# catch it (tools/mutants.py); a survivor is a blind spot. ~15-30 min on 2 cores.
+mutants: setup
+	JAX_PLATFORMS=cpu $(PY) -m tools.mutants
 
 demo: setup
 	JAX_PLATFORMS=cpu $(PY) -m train.train_lm --config=configs/lm_default.py --workdir=runs/demo-$$(date +%Y%m%d-%H%M%S)

@@ -1,0 +1,393 @@
+"""Mutation check: does the suite catch small, plausible bugs? (`make mutants`; not in `make test`)
+
+Each mutant below is one deliberate bug: a file, an exact snippet of its current source (it
+must occur exactly once), the replacement, and the tests expected to catch it. The runner
+copies the working tree (git's tracked and untracked-but-not-ignored files) to a temporary
+directory, applies one mutant at a time there, runs `pytest -x -q <tests>` in the copy and
+restores the file; the working tree is never edited. A mutant is "killed" when the tests
+fail, and the first failing test is reported. A survivor names a blind spot: add the test
+that kills it, then list that test here.
+
+  python -m tools.mutants                  # every mutant (about 15-30 min on 2 cores)
+  python -m tools.mutants --check          # only check that every snippet still applies
+  python -m tools.mutants frac_ rope_      # mutants whose name starts with one of these
+  python -m tools.mutants --jobs 4         # mutants in parallel, one copy each
+  python -m tools.mutants frac_ --tests tests/test_frac_model.py   # against other tests
+
+Before the mutants, the union of their tests runs once unmutated (skip with --no-baseline):
+a failure there would make every mutant look killed. Exit status 1 if a mutant survives, a
+snippet no longer applies, or the baseline fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+LF = "tests/test_layer_formulas.py"
+TS = "tests/test_trainer_semantics.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+  name: str
+  path: str
+  old: str
+  new: str
+  tests: tuple[str, ...]
+
+
+def m(name, path, old, new, *tests):
+  return Mutant(name, path, old, new, tuple(tests))
+
+
+MUTANTS = [
+    # ------------------------------------------------------------------ layer formulas
+    m("pack3d_default_rotate_after", "models/pack3d.py",
+      'rotate_summaries: str = "before"', 'rotate_summaries: str = "after"',
+      f"{LF}::test_pack3d_attention_formula_with_defaults"),
+    m("pack3d_default_radius_2", "models/pack3d.py",
+      "radius_blocks: int = 1, position", "radius_blocks: int = 2, position",
+      f"{LF}::test_pack3d_attention_formula_with_defaults"),
+    m("pack3d_default_no_bias", "models/pack3d.py",
+      "block_bias: bool = True", "block_bias: bool = False",
+      f"{LF}::test_pack3d_attention_formula_with_defaults"),
+    m("pack3d_qk_swapped", "models/pack3d.py",
+      "q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]",
+      "k, q, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]",
+      f"{LF}::test_pack3d_attention_formula_with_defaults"),
+    m("pack3d_k_not_rotated", "models/pack3d.py",
+      "q, k = (rope.axial_rope_3d(t, coords, **self.rope) for t in (q, k))",
+      "q = rope.axial_rope_3d(q, coords, **self.rope)",
+      f"{LF}::test_pack3d_attention_formula_with_defaults"),
+    m("rope_frequencies_2k_over_m", "jaxops/rope.py",
+      "freqs = theta ** (-jnp.arange(m, dtype=_F32) / m)",
+      "freqs = theta ** (-2 * jnp.arange(m, dtype=_F32) / m)",
+      f"{LF}::test_causal_attention_formula_and_init",
+      f"{LF}::test_pack3d_attention_formula_with_defaults"),
+    m("rope_axial_axes_reversed", "jaxops/rope.py",
+      "rope_angles(scaled[..., a], part, theta)", "rope_angles(scaled[..., 2 - a], part, theta)",
+      "tests/test_rope.py", f"{LF}::test_pack3d_attention_formula_with_defaults"),
+    m("attention_scale_1_over_d", "models/attention.py",
+      "logits * q.shape[-1] ** -0.5", "logits * q.shape[-1] ** -1.0",
+      f"{LF}::test_causal_attention_formula_and_init"),
+    m("attention_rope_theta_default", "models/attention.py",
+      "rope_theta: float = 10000.0", "rope_theta: float = 500000.0",
+      f"{LF}::test_causal_attention_formula_and_init"),
+    m("frac_dt_exp_not_softplus", "models/frac.py",
+      "dt = jax.nn.softplus(dt_raw.astype(_F32) + self.dt_bias[...].astype(_F32))",
+      "dt = jnp.exp(dt_raw.astype(_F32) + self.dt_bias[...].astype(_F32))",
+      f"{LF}::test_frac_mixer_formula_with_defaults"),
+    m("frac_no_D_skip", "models/frac.py",
+      "y = y.astype(_F32) + self.skip[...].astype(_F32)[:, None] * xs.astype(_F32)",
+      "y = y.astype(_F32)",
+      f"{LF}::test_frac_mixer_formula_with_defaults"),
+    m("frac_norm_before_gate", "models/frac.py",
+      "y = y.reshape(z.shape) * jax.nn.silu(z.astype(_F32))\n"
+      "    y = (rms_normalize(y) * self.norm_gain[...].astype(_F32)).astype(z.dtype)",
+      "y = rms_normalize(y.reshape(z.shape)) * jax.nn.silu(z.astype(_F32))\n"
+      "    y = (y * self.norm_gain[...].astype(_F32)).astype(z.dtype)",
+      f"{LF}::test_frac_mixer_formula_with_defaults"),
+    m("frac_timescale_ignored", "models/frac.py",
+      "return rates * jnp.exp(log_timescale)[:, None], weights", "return rates, weights",
+      f"{LF}::test_frac_mixer_formula_with_defaults"),
+    m("frac_alpha_plain_sigmoid", "models/frac.py",
+      "return self.alpha_min + (1.0 - self.alpha_min) * jax.nn.sigmoid(logit)",
+      "return jax.nn.sigmoid(logit)",
+      f"{LF}::test_frac_mixer_init", f"{LF}::test_frac_mixer_formula_with_defaults"),
+    m("frac_conv_not_causal", "models/frac.py",
+      "jnp.pad(xbc, ((0, 0), (width - 1, 0), (0, 0)))",
+      "jnp.pad(xbc, ((0, 0), (0, width - 1), (0, 0)))",
+      "tests/test_frac_model.py", f"{LF}::test_frac_mixer_formula_with_defaults"),
+    m("flashffn_default_no_head_norm", "models/flash_ffn.py",
+      "head_norm: bool = True", "head_norm: bool = False",
+      f"{LF}::test_flashffn_formula_with_defaults"),
+    m("flashffn_router_softmax", "models/flash_ffn.py",
+      "return q, sig / jnp.maximum(jnp.sum(sig, axis=-1, keepdims=True), 1e-20)",
+      "return q, jax.nn.softmax(z.reshape(*lead, heads, experts), axis=-1)",
+      f"{LF}::test_flashffn_formula_with_defaults"),
+    m("flashffn_gain_not_folded_into_router", "models/flash_ffn.py",
+      "return router * gain[:, :, None], fold(k), fold(u), v",
+      "return router, fold(k), fold(u), v",
+      f"{LF}::test_flashffn_formula_with_defaults"),
+    m("swiglu_gelu", "jaxops/flash_ffn.py",
+      "h = jax.nn.silu(x @ w_gate) * (x @ w_up)", "h = jax.nn.gelu(x @ w_gate) * (x @ w_up)",
+      f"{LF}::test_swiglu_formula_and_init"),
+    m("rmsnorm_variance", "models/norm.py",
+      "jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)",
+      "jax.lax.rsqrt(jnp.var(x32, axis=-1, keepdims=True) + self.eps)",
+      f"{LF}::test_rmsnorm_formula_and_init"),
+    m("block_ffn_uses_norm1", "models/block.py",
+      "h = self.norm2(x)", "h = self.norm1(x)",
+      f"{LF}::test_block_is_pre_norm_residual"),
+    m("block_step_ffn_without_norm", "models/block.py",
+      "return x_t + self.ffn(self.norm2(x_t)[:, None])[:, 0], cache",
+      "return x_t + self.ffn(x_t[:, None])[:, 0], cache",
+      f"{LF}::test_block_is_pre_norm_residual"),
+    m("lm_no_final_norm", "models/lm.py",
+      "  def _logits(self, x):\n    x = self.norm(x)\n", "  def _logits(self, x):\n",
+      f"{LF}::test_language_model_formula_and_init"),
+    m("lm_frac_default_context", "models/lm.py",
+      "return FRACMixer(d_model, num_heads=num_heads, context=context, impl=impl,",
+      "return FRACMixer(d_model, num_heads=num_heads, impl=impl,",
+      f"{LF}::test_language_model_formula_and_init"),
+    m("segmenter_no_embed_bias", "models/seg3d.py",
+      " + self.embed_bias[...].astype(dtype)", "",
+      f"{LF}::test_pack3d_segmenter_formula_and_init"),
+    m("unet_mean_pool", "models/unet3d.py",
+      ".max(axis=(2, 4, 6))", ".mean(axis=(2, 4, 6))", f"{LF}::test_unet3d_formula"),
+    m("unet_skip_first", "models/unet3d.py",
+      "jnp.concatenate([self.up[l](x), skips[l]], axis=-1)",
+      "jnp.concatenate([skips[l], self.up[l](x)], axis=-1)", f"{LF}::test_unet3d_formula"),
+    m("unet_silu_before_norm", "models/unet3d.py",
+      "x = jax.nn.silu(norm(conv(x)))", "x = norm(jax.nn.silu(conv(x)))",
+      f"{LF}::test_unet3d_formula"),
+    # ------------------------------------------------------------------ initialisation
+    m("flashffn_w_in_gain_1", "models/flash_ffn.py",
+      "self.w_in = nnx.Param(_xavier(0.707)(", "self.w_in = nnx.Param(_xavier(1.0)(",
+      f"{LF}::test_flashffn_init"),
+    m("flashffn_tables_std_0.2", "models/flash_ffn.py",
+      "table = jax.nn.initializers.normal(0.02)", "table = jax.nn.initializers.normal(0.2)",
+      f"{LF}::test_flashffn_init"),
+    m("flashffn_router_untruncated", "models/flash_ffn.py",
+      "jax.nn.initializers.truncated_normal(0.02)(", "jax.nn.initializers.normal(0.02)(",
+      f"{LF}::test_flashffn_init"),
+    m("frac_D_init_zero", "models/frac.py",
+      "self.skip = nnx.Param(jnp.ones((num_heads,), param_dtype))",
+      "self.skip = nnx.Param(jnp.zeros((num_heads,), param_dtype))",
+      f"{LF}::test_frac_mixer_init"),
+    m("frac_dt_init_mamba_range", "models/frac.py",
+      "math.log(0.5),\n                                    math.log(2.0)",
+      "math.log(0.001),\n                                    math.log(0.1)",
+      f"{LF}::test_frac_mixer_init"),
+    m("frac_alpha_spread_to_0.8", "models/frac.py",
+      "np.linspace(lo, max(lo, 0.9), num_heads)", "np.linspace(lo, max(lo, 0.8), num_heads)",
+      f"{LF}::test_frac_mixer_init"),
+    m("lm_head_init_1_over_d", "models/lm.py",
+      "(d_model, vocab_size)) * d_model ** -0.5)", "(d_model, vocab_size)) * d_model ** -1.0)",
+      f"{LF}::test_language_model_formula_and_init"),
+    # ------------------------------------------------------------------ trainer semantics
+    m("schedule_decay_steps_after_warmup", "train/optim.py",
+      "decay_steps=max(steps, c.warmup_steps + 1)",
+      "decay_steps=max(steps - c.warmup_steps, 1)",
+      f"{TS}::test_schedule_values"),
+    m("schedule_end_value", "train/optim.py",
+      "end_value=c.lr * c.min_lr_ratio", "end_value=c.min_lr_ratio",
+      f"{TS}::test_schedule_values"),
+    m("schedule_warmup_from_lr_over_10", "train/optim.py",
+      "init_value=0.0", "init_value=0.1 * c.lr", f"{TS}::test_schedule_values"),
+    m("clip_after_adamw", "train/optim.py",
+      "      optax.clip_by_global_norm(c.clip_norm),\n"
+      "      optax.adamw(schedule(c, steps), b1=c.b1, b2=c.b2, weight_decay=c.weight_decay,\n"
+      "                  mask=decay_mask))",
+      "      optax.adamw(schedule(c, steps), b1=c.b1, b2=c.b2, weight_decay=c.weight_decay,\n"
+      "                  mask=decay_mask),\n"
+      "      optax.clip_by_global_norm(c.clip_norm))",
+      f"{TS}::test_huge_gradient_updates_like_its_clipped_version"),
+    m("adamw_b2_default", "train/optim.py",
+      "b1=c.b1, b2=c.b2", "b1=c.b1, b2=0.999",
+      f"{TS}::test_optimizer_is_clip_then_adamw_as_configured"),
+    m("weight_decay_on_gains", "train/optim.py",
+      "lambda x: x.ndim >= 2", "lambda x: x.ndim >= 1",
+      f"{TS}::test_optimizer_is_clip_then_adamw_as_configured"),
+    m("train_batch_off_by_one", "train/trainer.py",
+      "sharding.put_batch(task.train_batch(step), mesh)",
+      "sharding.put_batch(task.train_batch(step + 1), mesh)",
+      f"{TS}::test_training_follows_the_numpy_trajectory"),
+    m("logged_lr_of_next_step", "train/trainer.py",
+      '"lr": lr(state["step"])', '"lr": lr(state["step"] + 1)',
+      f"{TS}::test_training_follows_the_numpy_trajectory"),
+    m("grad_norm_of_updates", "train/trainer.py",
+      '"grad_norm": optax.tree.norm(grads)', '"grad_norm": optax.tree.norm(updates)',
+      f"{TS}::test_training_follows_the_numpy_trajectory"),
+    m("eval_on_train_batches", "train/trainer.py",
+      "eval_fn(params, sharding.put_batch(task.eval_batch(i), mesh))",
+      "eval_fn(params, sharding.put_batch(task.train_batch(i), mesh))",
+      f"{TS}::test_evaluation_reads_the_evaluation_batches"),
+    m("eval_one_batch_only", "train/trainer.py",
+      "for i in range(config.eval_batches)]", "for i in range(1)]",
+      f"{TS}::test_evaluation_reads_the_evaluation_batches"),
+    m("text_eval_windows_from_train_split", "train/lm_task.py",
+      "functools.partial(batch, val_bytes, text.VAL)",
+      "functools.partial(batch, train_bytes, text.VAL)",
+      f"{TS}::test_text_evaluation_windows_come_from_the_validation_split"),
+    m("text_split_train_keeps_val", "train/data/text.py",
+      "return corpus[:cut], corpus[cut:]", "return corpus, corpus[cut:]",
+      f"{TS}::test_text_evaluation_windows_come_from_the_validation_split"),
+    m("lm_loss_ignores_mask", "train/lm_task.py",
+      'return (ce * mask).sum() / count, {"accuracy"', 'return ce.mean(), {"accuracy"',
+      f"{TS}::test_lm_loss_is_the_masked_mean_cross_entropy"),
+    m("dice_counts_background", "train/seg3d_task.py",
+      "for c in range(1, logits.shape[-1]):", "for c in range(logits.shape[-1]):",
+      f"{TS}::test_segmentation_loss_and_macro_dice"),
+    # ------------------------------------------------------------------ shared op math
+    m("rms_normalize_backward_without_projection", "jaxops/rms_norm.py",
+      "dx = rstd * (dy32 - y32 * jnp.mean(dy32 * y32, axis=-1, keepdims=True))",
+      "dx = rstd * dy32",
+      "tests/test_flash_ffn.py::test_rms_normalize_gradient_matches_autodiff"),
+    m("pack3d_reference_radius_plus_1", "jaxops/pack3d.py",
+      "local = same_field & (distance <= radius_blocks)",
+      "local = same_field & (distance <= radius_blocks + 1)",
+      "tests/test_pack3d.py::test_xla_options_match_reference"),
+    m("pack3d_summary_vbar_not_mean", "jaxops/pack3d.py",
+      "vbar = jnp.sum(v_cubes.astype(_F32), axis=2) * inv_n",
+      "vbar = jnp.sum(v_cubes.astype(_F32), axis=2)",
+      "tests/test_pack3d.py::test_xla_options_match_reference"),
+    m("frac_modes_one_fewer", "jaxops/frac.py",
+      "return math.ceil(math.log(S_HIGH * context / S_LOW)) + 2",
+      "return math.ceil(math.log(S_HIGH * context / S_LOW)) + 1",
+      "tests/test_frac_modes.py", "tests/test_frac_model.py"),
+    m("frac_tail_rate", "jaxops/frac.py",
+      "tail_rate = b * alpha / (alpha + 1)", "tail_rate = b * alpha",
+      f"{LF}::test_frac_mixer_init", "tests/test_frac_modes.py"),
+    # ------------------------------------------------------------------ kernel tile math
+    m("flashffn_kernel_silu_derivative", "pallas_kernels/flash_ffn/tiles.py",
+      "g * n * sig * (1.0 + m * (1.0 - sig))", "g * n * sig * (1.0 + m * sig)",
+      "tests/test_flash_ffn.py::test_matches_reference_forward_and_gradients"),
+    m("flashffn_kernel_router_weight_dropped", "pallas_kernels/flash_ffn/tiles.py",
+      "a = m * jax.nn.sigmoid(m) * n * r_e", "a = m * jax.nn.sigmoid(m) * n",
+      "tests/test_flash_ffn.py::test_matches_reference_forward_and_gradients"),
+]
+
+
+_NOT_COPIED = (".git", ".venv*", "__pycache__", ".pytest_cache", "runs", "workdir*",
+               "*.egg-info")
+
+
+def copy_tree(repo: pathlib.Path, dest: pathlib.Path) -> None:
+  """Copies git's tracked plus untracked-but-not-ignored files (or, outside a git checkout,
+  everything but virtual environments, caches and run outputs)."""
+  out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo,
+                       capture_output=True)
+  if out.returncode:
+    shutil.copytree(repo, dest, ignore=shutil.ignore_patterns(*_NOT_COPIED))
+    return
+  for rel in out.stdout.decode().split("\0"):
+    if rel and (repo / rel).is_file():
+      (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+      shutil.copy2(repo / rel, dest / rel)
+
+
+def check(mutant: Mutant, root: pathlib.Path) -> str | None:
+  """Why `mutant` does not apply under `root`, or None."""
+  path = root / mutant.path
+  if not path.is_file():
+    return f"{mutant.path} does not exist"
+  count = path.read_text().count(mutant.old)
+  if count != 1:
+    return f"snippet found {count} times in {mutant.path} (expected once)"
+  for test in mutant.tests:
+    if not (root / test.split("::")[0]).is_file():
+      return f"test file {test.split('::')[0]} does not exist"
+  return None
+
+
+def run_pytest(copy: pathlib.Path, tests, timeout: float) -> tuple[bool, str, float]:
+  """(passed, first failing test or error summary, seconds) of pytest -x -q in `copy`."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONDONTWRITEBYTECODE": "1",
+         "PYTHONPATH": str(copy)}
+  start = time.time()
+  try:
+    out = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                          *tests], cwd=copy, env=env, capture_output=True, text=True,
+                         timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return False, "timeout", time.time() - start
+  seconds = time.time() - start
+  if out.returncode == 0:
+    return True, "", seconds
+  failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out.stdout, re.M)
+  return False, failed[0] if failed else f"pytest exit {out.returncode}", seconds
+
+
+def run_mutant(mutant: Mutant, copy: pathlib.Path, timeout: float) -> tuple[bool, str, float]:
+  path = copy / mutant.path
+  original = path.read_text()
+  path.write_text(original.replace(mutant.old, mutant.new, 1))
+  try:
+    return run_pytest(copy, mutant.tests, timeout)
+  finally:
+    path.write_text(original)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("prefixes", nargs="*", help="run mutants whose name starts with these")
+  parser.add_argument("--check", action="store_true", help="only check that snippets apply")
+  parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+  parser.add_argument("--jobs", type=int, default=1)
+  parser.add_argument("--no-baseline", action="store_true")
+  parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run")
+  parser.add_argument("--tests", nargs="+", help="run every mutant against these tests "
+                      "instead of its own (e.g. to see what an older test file misses)")
+  args = parser.parse_args(argv)
+
+  mutants = [mu for mu in MUTANTS
+             if not args.prefixes or any(mu.name.startswith(p) for p in args.prefixes)]
+  if args.tests:
+    mutants = [dataclasses.replace(mu, tests=tuple(args.tests)) for mu in mutants]
+  if args.list:
+    for mu in mutants:
+      print(f"{mu.name:45s} {mu.path:38s} {' '.join(mu.tests)}")
+    return 0
+  stale = [(mu, why) for mu in mutants if (why := check(mu, REPO))]
+  for mu, why in stale:
+    print(f"STALE  {mu.name}: {why}")
+  if args.check or stale:
+    print(f"{len(mutants) - len(stale)}/{len(mutants)} mutants apply")
+    return 1 if stale else 0
+
+  with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
+    copies = []
+    for j in range(max(1, min(args.jobs, len(mutants)))):
+      copies.append(pathlib.Path(tmp) / f"copy{j}")
+      copy_tree(REPO, copies[-1])
+    probe = subprocess.run([sys.executable, "-c", "import jaxops; print(jaxops.__file__)"],
+                           cwd=copies[0], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(copies[0])})
+    if not probe.stdout.startswith(str(copies[0])):
+      print(f"the copy does not import its own code: {probe.stdout or probe.stderr}")
+      return 1
+    if not args.no_baseline:
+      tests = sorted({t for mu in mutants for t in mu.tests})
+      ok, failed, seconds = run_pytest(copies[0], tests, args.timeout * 4)
+      print(f"baseline (unmutated, {len(tests)} test selections): "
+            f"{'pass' if ok else 'FAIL ' + failed} in {seconds:.0f}s", flush=True)
+      if not ok:
+        return 1
+
+    free = list(copies)
+    results = {}
+
+    def work(mu):
+      copy = free.pop()
+      try:
+        return mu, run_mutant(mu, copy, args.timeout)
+      finally:
+        free.append(copy)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(copies)) as pool:
+      for mu, (passed, failed, seconds) in pool.map(work, mutants):
+        results[mu.name] = passed
+        verdict = "SURVIVED" if passed else f"killed by {failed}"
+        print(f"{mu.name:45s} {verdict}  ({seconds:.0f}s)", flush=True)
+
+  survivors = [name for name, passed in results.items() if passed]
+  print(f"\n{len(results) - len(survivors)}/{len(results)} mutants killed"
+        + (f"; survivors: {', '.join(survivors)}" if survivors else ""))
+  return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
