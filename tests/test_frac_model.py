@@ -50,18 +50,18 @@ def test_decoding_equals_full_sequence(mamba2):
 
 def test_cache_size_with_the_default_mode_count():
   """With the default num_modes, M = ceil(ln(4 context / 0.03)) + 2 grows (only) with the log
-  of the context; the cache is the conv window plus M N P numbers per head, and decoding
-  keeps that size and uses all M modes."""
-  x = _x(batch=1, length=1)
+  of the context; the cache is the conv window plus M N P numbers per head, and a decoding
+  step keeps that size (shapes only: decoding's values are checked above)."""
+  x_t = jax.ShapeDtypeStruct((1, D_MODEL), jnp.float32)
   for context, modes in ((1024, 14), (65536, 18)):
     layer = FRACMixer(D_MODEL, **dict(CONFIG, context=context, num_modes=None),
-                      rngs=nnx.Rngs(0))
-    assert layer.modes()[0].shape == layer.modes()[1].shape == (2, modes)
+                      rngs=nnx.Rngs(jax.random.key(0, impl="rbg")))
+    rates, weights = jax.eval_shape(layer.modes)
+    assert rates.shape == weights.shape == (2, modes)
     cache = layer.init_cache(1)
     assert sum(a.size for a in jax.tree.leaves(cache)) == 3 * (16 + 2 * 8) + 2 * modes * 8 * 8
-    y_t, stepped = layer.step(x[:, 0], cache)
+    _, stepped = nnx.eval_shape(lambda m, x, c: m.step(x, c), layer, x_t, cache)
     assert jax.tree.map(jnp.shape, stepped) == jax.tree.map(jnp.shape, cache)
-    kernel_checks.assert_close(y_t, layer(x)[:, 0], rtol=1e-5, name=str(context))
 
 
 def test_mamba2_baseline_is_an_exponential_ssm():
