@@ -122,8 +122,9 @@ def test_lowers_for_hardware(platform):
 
 def test_no_races_and_no_uninitialized_reads():
   """Each of the three kernels (forward, dq/dr, dK/dU/dV) race-checked on two simulated
-  cores; every parallel grid axis has several points (3 token tiles, 2 experts x 2 tiles)."""
-  args = make_inputs(jnp.float32, shape=(1, 300, 1, 8, 2, 16))
+  cores. 3 token tiles and 3 experts: the cores split the 9-point dK/dU/dV grid 5 + 4, so an
+  expert's token loop would straddle them if that reduction axis were marked parallel."""
+  args = make_inputs(jnp.float32, shape=(1, 300, 1, 8, 3, 8))
   op = functools.partial(kernel.mhffn, interpret=kernel_checks.race_params(), block_q=128,
                          block_inter=8, block_q_dkv=128)
   with kernel_checks.races_checked(kernels=3):

@@ -142,9 +142,10 @@ def test_lowers_for_hardware(platform):
 
 
 def test_no_races_and_no_uninitialized_reads():
-  """Forward and backward kernels race-checked on two simulated cores, which split the
-  parallel axis (batch x heads = 2 groups)."""
-  args = make_inputs(shape=(1, 20, 2, 8, 8, 2))
+  """Forward and backward kernels race-checked on two simulated cores. 3 groups (batch x
+  heads) of 2 chunks: the cores split the groups 2 + 1, and would split a group's chunks if
+  the sequential chunk axis were marked parallel."""
+  args = make_inputs(shape=(1, 20, 3, 8, 8, 2))
   op = functools.partial(kernel.frac_scan, interpret=kernel_checks.race_params(), chunk=16)
   with kernel_checks.races_checked(kernels=2):
     grads = jax.block_until_ready(

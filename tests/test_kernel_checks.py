@@ -63,4 +63,4 @@ def test_one_core_cannot_see_the_race():
 def test_launch_count_is_checked():
   with pytest.raises(AssertionError, match="expected 2 race-checked kernel launches, saw 1"):
     with kernel_checks.races_checked(kernels=2):
-      jax.block_until_ready(toy(False)(X))
+      jax.block_until_ready(toy(False, cores=1)(X))
