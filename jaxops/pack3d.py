@@ -32,9 +32,10 @@ coords/field_ids (numpy, or jax arrays closed over by the jitted function) give 
 exact cube structure at trace time; traced ones use the static `max_cubes` (default
 `default_max_cubes(N, block_shape)`) and mask the unused slots. Both give the same
 result; only the cost differs. Coordinates must be unique within a field. With traced
-coords, too many cubes or negative coords stop the run with an error raised from a host
-callback (`jax.debug.callback`); such a function cannot be serialized with `jax.export`
-(export with concrete coords).
+coords, a batch entry with more cubes than slots or with negative coords cannot raise
+from a compiled program: its output is NaN (so a training run stops on it), and
+`layout_status` tells the caller which entries and why. No host callback: the same
+function compiles for TPU and GPU.
 """
 
 from __future__ import annotations
@@ -115,27 +116,35 @@ def default_max_cubes(num_tokens: int, block_shape: Sequence[int]) -> int:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["slot", "count", "neighbours", "num_neighbours", "far"],
-                   meta_fields=["slots_per_cube"])
+                   data_fields=["slot", "count", "keys", "neighbours", "num_neighbours",
+                                "overflow"],
+                   meta_fields=["slots_per_cube", "radius_blocks"])
 @dataclasses.dataclass(frozen=True)
 class CubeLayout:
   """Cube-major layout of a batch of packed tokens: C cubes of `slots_per_cube` slots.
 
   slot            int32 [B, N]     token i sits at slot[b, i] of the flat layout [C * T]
   count           float32 [B, C]   n_b, the tokens in cube b (0: unused slot)
+  keys            int32 [B, C, 4]  (field, cz, cy, cx) of each cube (-1 for unused slots),
+                                   ascending in that order over the used slots
   neighbours      int32 [B, C, K]  cubes within the radius in the same field, K = min((2r+1)^3,
                                    C); the first num_neighbours are the set, the rest repeat
                                    entry 0 (never read as keys)
   num_neighbours  int32 [B, C]
-  far             bool [B, C, C]   far[b, a, c]: cube c is a far summary for query cube a
+  overflow        bool [B]         traced coords only: the entry needs more than C cubes or
+                                   has negative coords (its outputs are NaN, see `cube_layout`)
+
+  Far cubes are not stored (C^2 of them): `far(rows)` derives them from `keys`.
   """
 
   slot: jax.Array
   count: jax.Array
+  keys: jax.Array
   neighbours: jax.Array
   num_neighbours: jax.Array
-  far: jax.Array
+  overflow: jax.Array
   slots_per_cube: int
+  radius_blocks: int
 
   @property
   def num_cubes(self) -> int:
@@ -158,37 +167,101 @@ class CubeLayout:
     ones = jnp.ones(self.slot.shape, bool)
     return self.to_cubes(ones)
 
-  def far_bias(self, block_bias: bool):
-    """float32 [B, C, C]: log(n_c) (or 0 without block_bias) where c is far for a, else MASK."""
+  def far(self, rows=None):
+    """bool [B, R, C]: far[b, r, c] says cube c is a far summary for query cube rows[r]
+    (all C cubes when rows is None): same field, Chebyshev cube distance > radius, used."""
+    query = self.keys if rows is None else self.keys[:, rows]
+    return is_far(query[:, :, None], self.keys[:, None], self.count[:, None] > 0,
+                  self.radius_blocks)
+
+  def far_bias(self, block_bias: bool, rows=None):
+    """float32 [B, R, C]: log(n_c) (or 0 without block_bias) where c is far, else MASK."""
     bias = jnp.log(jnp.maximum(self.count, 1.0)) if block_bias else jnp.zeros_like(self.count)
-    return jnp.where(self.far, bias[:, None, :], MASK)
+    return jnp.where(self.far(rows), bias[:, None, :], MASK)
+
+  def cube_rows(self):
+    """float32 [B, 8, C]: rows field, cz, cy, cx, count (then zeros) of every cube, for the
+    kernels' far test (exact in float32 below 2^24)."""
+    rows = jnp.concatenate([self.keys.astype(_F32), self.count[..., None],
+                            jnp.zeros(self.count.shape + (3,), _F32)], axis=-1)
+    return jnp.swapaxes(rows, 1, 2)
+
+
+def is_far(query_keys, keys, used, radius: int):
+  """Far test on broadcastable [..., 4] cube keys (field, cz, cy, cx): same field, cube
+  distance max_a |c_a - q_a| > radius, and `used`. One axis at a time, so nothing
+  [..., 3]-shaped is built (a TPU would pad that 3 to 128 lanes)."""
+  distance = jnp.abs(keys[..., 1] - query_keys[..., 1])
+  for a in (2, 3):
+    distance = jnp.maximum(distance, jnp.abs(keys[..., a] - query_keys[..., a]))
+  return (keys[..., 0] == query_keys[..., 0]) & (distance > radius) & used
+
+
+# Cube slots come from each field's bounding box of cubes: slot = field offset + the cube's
+# z-major index in the box. No sort (TPU sort compile time grows with its size: 80-140 s
+# for the 1M tokens of 4 x 262k), and neighbours are arithmetic. A field whose cubes do not
+# fill their box (not a dense grid) leaves empty slots (count 0), which cost slots only.
+MAX_FIELDS = 256  # field ids per batch entry: [0, MAX_FIELDS)
 
 
 def _layout_one(coords, field_ids, *, block_shape, radius_blocks, num_cubes, slots):
   """CubeLayout fields for one batch entry (coords [N, 3], field_ids [N])."""
   block = jnp.asarray(block_shape, jnp.int32)
-  coords = coords.astype(jnp.int32)
+  coords, field = coords.astype(jnp.int32), field_ids.astype(jnp.int32)
   cube, local = coords // block, coords % block
   local_index = (local[:, 0] * block_shape[1] + local[:, 1]) * block_shape[2] + local[:, 2]
-  keys = jnp.concatenate([field_ids.astype(jnp.int32)[:, None], cube], axis=1)  # [N, 4]
-  order = jnp.lexsort(keys.T[::-1])
-  sorted_keys = keys[order]
-  new_cube = jnp.concatenate([jnp.ones(1, bool),
-                              jnp.any(sorted_keys[1:] != sorted_keys[:-1], axis=1)])
-  cube_id = jnp.zeros_like(order).at[order].set(jnp.cumsum(new_cube) - 1)
+  fits = (jnp.min(field) >= 0) & (jnp.max(field) < MAX_FIELDS)
+  seg = jnp.clip(field, 0, MAX_FIELDS - 1)
+  present = jax.ops.segment_sum(jnp.ones_like(seg), seg, MAX_FIELDS)[:, None] > 0
+  lo = jnp.where(present, jax.ops.segment_min(cube, seg, MAX_FIELDS), 0)          # [F, 3]
+  extent = jnp.where(present, jax.ops.segment_max(cube, seg, MAX_FIELDS) - lo + 1, 0)
+  volume = extent[:, 0] * extent[:, 1] * extent[:, 2]                   # [F] cubes per box
+  end = jnp.cumsum(volume)
+  start = end - volume
+
+  def slot_of(f, c):  # cube coords c [..., 3] of field f -> slot (unchecked)
+    rel = c - lo[f]
+    return start[f] + (rel[..., 0] * extent[f, 1] + rel[..., 1]) * extent[f, 2] + rel[..., 2]
+
+  cube_id = slot_of(seg, cube)
   count = jnp.zeros(num_cubes, _F32).at[cube_id].add(1.0, mode="drop")
-  cube_keys = jnp.full((num_cubes, 4), -1, jnp.int32).at[cube_id].set(keys, mode="drop")
-  used = count > 0
-  same = ((cube_keys[:, None, 0] == cube_keys[None, :, 0]) & used[:, None] & used[None, :])
-  distance = jnp.max(jnp.abs(cube_keys[:, None, 1:] - cube_keys[None, :, 1:]), axis=-1)
-  near = same & (distance <= radius_blocks)
-  k = min((2 * radius_blocks + 1) ** 3, num_cubes)
-  neighbours = jnp.argsort(~near, axis=1, stable=True)[:, :k].astype(jnp.int32)
-  num_neighbours = jnp.sum(near, axis=1, dtype=jnp.int32)
+  # Each slot's key (field, cz, cy, cx), decoded from its position in its field's box.
+  ids = jnp.arange(num_cubes, dtype=jnp.int32)
+  f = jnp.minimum(jnp.searchsorted(end, ids, side="right"), MAX_FIELDS - 1)
+  rel = ids - start[f]
+  zyx = jnp.stack([rel // jnp.maximum(extent[f, 1] * extent[f, 2], 1),
+                   (rel // jnp.maximum(extent[f, 2], 1)) % jnp.maximum(extent[f, 1], 1),
+                   rel % jnp.maximum(extent[f, 2], 1)], axis=-1) + lo[f]
+  cube_keys = jnp.where((count > 0)[:, None], jnp.concatenate([f[:, None], zyx], 1), -1)
+  # Neighbours: every offset in [-r, r]^3 inside the field's box, if that cube has tokens.
+  r = radius_blocks
+  offsets = jnp.asarray(np.stack(np.meshgrid(*[np.arange(-r, r + 1)] * 3, indexing="ij"),
+                                 -1).reshape(-1, 3), jnp.int32)
+  target = zyx[:, None] + offsets                                       # [C, K, 3]
+  inside = jnp.all((target >= lo[f][:, None]) & (target < (lo + extent)[f][:, None]), axis=-1)
+  index = jnp.clip(slot_of(f[:, None], target), 0, num_cubes - 1)
+  found = inside & (count[index] > 0) & (count[:, None] > 0)             # [C, K]
+  # Compact the found ones to the front of each row (a scatter, not a sort).
+  k = min(len(offsets), num_cubes)
+  position = jnp.where(found, jnp.cumsum(found, axis=1) - 1, k)
+  rows = jnp.broadcast_to(ids[:, None], found.shape)
+  neighbours = jnp.zeros((num_cubes, k), jnp.int32).at[rows, position].set(index, mode="drop")
+  num_neighbours = jnp.sum(found, axis=1, dtype=jnp.int32)
   neighbours = jnp.where(jnp.arange(k) < num_neighbours[:, None], neighbours, neighbours[:, :1])
-  return dict(slot=cube_id * slots + local_index, count=count, neighbours=neighbours,
-              num_neighbours=num_neighbours, far=same & ~near,
-              num_used=jnp.sum(new_cube), min_coord=jnp.min(coords))
+  status = jnp.where(jnp.min(coords) < 0, -1,
+                     jnp.where(~fits, -2, jnp.where(end[-1] > num_cubes, end[-1], 0)))
+  return dict(slot=cube_id * slots + local_index, count=count, keys=cube_keys,
+              neighbours=neighbours, num_neighbours=num_neighbours, status=status)
+
+
+def _num_slots(coords: np.ndarray, field_ids: np.ndarray, block_shape) -> int:
+  """The slots concrete coords need: the most, over batch entries, of the summed cube
+  bounding-box volumes of their fields."""
+  most = 1
+  for c, f in zip(coords // np.asarray(block_shape), field_ids):
+    most = max(most, sum(int(np.prod(c[f == i].max(0) - c[f == i].min(0) + 1))
+                         for i in np.unique(f)))
+  return most
 
 
 @functools.partial(jax.jit, static_argnames=("block_shape", "radius_blocks", "num_cubes", "slots"))
@@ -197,20 +270,16 @@ def _build_layout(coords, field_ids, **static):
   return jax.vmap(functools.partial(_layout_one, **static))(coords, field_ids)
 
 
-def _fail_if(num_used, min_coord, *, max_cubes: int):
-  if np.any(np.asarray(num_used) > max_cubes):
-    raise ValueError(f"pack3d_attention: the coords hold {int(np.max(num_used))} cubes, more"
-                     f" than max_cubes={max_cubes}; pass a larger `max_cubes`")
-  if np.min(np.asarray(min_coord)) < 0:
-    raise ValueError("pack3d_attention: `coords` must be non-negative")
-
-
 def cube_layout(coords, field_ids, *, block_shape=(4, 4, 4), radius_blocks: int = 1,
                 max_cubes: int | None = None, slots_per_cube: int | None = None) -> CubeLayout:
   """The cube structure of a batch of packed tokens (see `CubeLayout`).
 
-  Concrete coords/field_ids: exact C (the most cubes of any batch entry), computed at
-  trace time. Traced: C = max_cubes (default `default_max_cubes`), checked at run time.
+  Slots: each field gets the cubes of its bounding box (z-major), so C is the summed box
+  volume (the cube count itself for fields that are dense grids; a box's empty cubes are
+  unused slots). Concrete coords/field_ids: exact C (the most of any batch entry),
+  computed at trace time. Traced: C = max_cubes (default `default_max_cubes`); an entry that needs
+  more cubes, or has negative coords, is flagged in `overflow` (the ops return NaN for
+  it; `layout_status` reports it to the caller) since a compiled program cannot raise.
   `slots_per_cube` >= prod(block_shape) pads each cube (kernels want aligned slabs).
   """
   block_shape = tuple(int(b) for b in block_shape)
@@ -223,16 +292,34 @@ def cube_layout(coords, field_ids, *, block_shape=(4, 4, 4), radius_blocks: int 
   if _is_traced(coords) or _is_traced(field_ids):
     num_cubes = max_cubes or default_max_cubes(coords.shape[1], block_shape)
     fields = build(coords, field_ids, num_cubes=num_cubes)
-    jax.debug.callback(functools.partial(_fail_if, max_cubes=num_cubes),
-                       fields["num_used"], fields["min_coord"])
   else:
     c, f = np.asarray(coords), np.asarray(field_ids)
-    num_cubes = max(len(np.unique(np.concatenate([f[b, :, None], c[b] // block_shape], 1),
-                                  axis=0)) for b in range(c.shape[0]))
+    if f.size and (f.min() < 0 or f.max() >= MAX_FIELDS):
+      raise ValueError(f"pack3d_attention: `field_ids` must lie in [0, {MAX_FIELDS}), got"
+                       f" [{f.min()}, {f.max()}]")
+    num_cubes = _num_slots(c, f, block_shape)
     with jax.ensure_compile_time_eval():
       fields = build(jnp.asarray(c), jnp.asarray(f), num_cubes=num_cubes)
-  del fields["num_used"], fields["min_coord"]
-  return CubeLayout(**fields, slots_per_cube=slots)
+  status = fields.pop("status")
+  return CubeLayout(**fields, overflow=status != 0, slots_per_cube=slots,
+                    radius_blocks=radius_blocks)
+
+
+def layout_status(coords, field_ids, *, block_shape=(4, 4, 4), max_cubes: int | None = None):
+  """int32 [B]: 0 where the entry fits the traced-coords layout; else the number of cube
+  slots it needs (more than max_cubes), -1 for negative coords, or -2 for field ids outside
+  [0, MAX_FIELDS). Traceable: a train step can return it with its metrics and the caller
+  stop on a nonzero entry."""
+  block_shape = tuple(int(b) for b in block_shape)
+  num_cubes = max_cubes or default_max_cubes(coords.shape[1], block_shape)
+  return _build_layout(coords, field_ids, block_shape=block_shape, radius_blocks=0,
+                       num_cubes=num_cubes, slots=math.prod(block_shape))["status"]
+
+
+def poison_overflow(layout: CubeLayout, o):
+  """o [B, ...] with NaN in the batch entries whose layout overflowed (never silent)."""
+  bad = layout.overflow.reshape((-1,) + (1,) * (o.ndim - 1))
+  return jnp.where(bad, jnp.nan, o)
 
 
 def cube_summaries(layout: CubeLayout, k_cubes, v_cubes, coords=None, summary_rope=None):
@@ -364,14 +451,17 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   chunk = min(chunk, cubes)
   starts = jnp.minimum(jnp.arange(-(-cubes // chunk) * chunk), cubes - 1).reshape(-1, chunk)
 
-  def one_entry(q_c, k_c, v_c, key_valid, kbar, vbar, far_bias, neighbours, num_nb, g_c):
-    def step(ids):
-      return _attend_chunk(q_c[ids], k_c, v_c, key_valid, kbar, vbar, far_bias[ids],
-                           neighbours[ids], num_nb[ids], None if g_c is None else g_c[ids])
+  def one_entry(q_c, k_c, v_c, key_valid, kbar, vbar, keys, bias, neighbours, num_nb, g_c):
+    def step(ids):  # far cubes of this chunk's query cubes, [chunk, C] (never C x C)
+      far = is_far(keys[ids][:, None], keys[None], bias[None] > MASK / 2, radius_blocks)
+      return _attend_chunk(q_c[ids], k_c, v_c, key_valid, kbar, vbar,
+                           jnp.where(far, bias[None], MASK), neighbours[ids], num_nb[ids],
+                           None if g_c is None else g_c[ids])
     o = jax.lax.map(jax.checkpoint(step), starts)
     return o.reshape(-1, *o.shape[2:])[:cubes]
 
-  o_c = jax.vmap(one_entry)(q_c, k_c, v_c, layout.key_valid(), kbar, vbar,
-                            layout.far_bias(block_bias), layout.neighbours,
-                            layout.num_neighbours, g_c)
-  return layout.from_cubes(o_c).astype(q.dtype)
+  count = layout.count
+  bias = jnp.where(count > 0, jnp.log(jnp.maximum(count, 1.0)) if block_bias else 0.0, MASK)
+  o_c = jax.vmap(one_entry)(q_c, k_c, v_c, layout.key_valid(), kbar, vbar, layout.keys, bias,
+                            layout.neighbours, layout.num_neighbours, g_c)
+  return poison_overflow(layout, layout.from_cubes(o_c)).astype(q.dtype)

@@ -8,6 +8,8 @@ dtype. Shapes are the paper's and the configs' (the ones a user runs):
              lm     configs/lm_default.py: B=8 L=128 H=4 d_h=32 E=2 d_e=64
              seg3d  configs/seg3d_cells.py: B=8 L=3072 H=4 d_h=24 E=2 d_e=64
   pack3d     65k    one 64x32x32 grid per entry, B=2 N=65536 H=2 D=48, traced coords
+             262k   one 64^3 grid per entry, B=4 N=262144 H=2 D=48, traced coords (the
+                    neighbour table, 1.7 MiB, must not have to fit TPU SMEM whole)
              seg3d  configs/seg3d_cells.py: B=8 N=3072 H=4 D=24, traced coords
   frac_scan  16k    B=1 L=16384 H=4 P=64 N=16 M=16
              lm     configs/lm_default.py: B=8 L=128 H=4 P=32 N=16 M=default(128)=12
@@ -46,6 +48,7 @@ SHAPES = {
                   "lm": dict(b=8, l=128, h=4, d=32, e=2, f=64),
                   "seg3d": dict(b=8, l=3072, h=4, d=24, e=2, f=64)},
     "pack3d": {"65k": dict(b=2, grid=(64, 32, 32), h=2, d=48),
+               "262k": dict(b=4, grid=(64, 64, 64), h=2, d=48),
                "seg3d": dict(b=8, grid=(12, 16, 16), h=4, d=24)},
     "frac_scan": {"16k": dict(b=1, l=16384, h=4, p=64, n=16, m=16),
                   "lm": dict(b=8, l=128, h=4, p=32, n=16, m=12)},

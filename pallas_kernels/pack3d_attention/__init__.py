@@ -1,0 +1,126 @@
+"""Pack3D attention as Pallas kernels, forward and backward.
+
+Math and shapes: `jaxops.pack3d` (the reference this kernel is tested against). Tokens
+are scattered into the cube-major layout of `jaxops.pack3d.cube_layout` (a cube is a
+contiguous slab of T slots, empty slots masked), the summaries kbar, vbar are
+precomputed in XLA (`cube_summaries`), and one program per (batch, head, query cube)
+runs ONE online softmax over two key streams: its <= (2r+1)^3 neighbour cubes, then the
+cube summaries, whose far-or-not bias each program derives from the cubes' keys.
+Backward FlashAttention-2 style: dq over query cubes; dk/dv over key cubes, visiting the
+query cubes that have them as neighbours (the relation is symmetric); summary gradients
+over summary blocks, reaching the tokens through the (autodiff) VJP of the cube mean.
+
+Files: `blocks.py` (tile sizes and the tuned table), `tiles.py` (tile math, far biases,
+tile plan), `mosaic.py` (TPU: scalar-prefetched neighbour table, looped over blocks of
+query cubes to fit SMEM), `triton.py` (GPU: fori_loops over neighbours and summaries).
+
+`pack3d_attention` is the one public entry point; it dispatches with
+`pallas_kernels.dispatch` (Mosaic on TPU, Triton on GPU, interpret mode on CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxops.pack3d import (MASK, check_pack3d_inputs, cube_layout, cube_summaries,
+                           poison_overflow)
+from jaxops.tiling import next_pow2
+from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
+from pallas_kernels.pack3d_attention import mosaic, triton
+from pallas_kernels.pack3d_attention.blocks import TUNED, BlockSizes
+from pallas_kernels.pack3d_attention.tiles import Tables, TilePlan
+
+__all__ = ["BlockSizes", "TUNED", "pack3d_attention"]
+
+_F32 = jnp.float32
+_KERNELS = {"mosaic": mosaic, "triton": triton}
+
+
+def _forward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vbar,
+             tables: Tables, *, options):
+  plan = TilePlan.make(backend, blocks, q, tables, compiled=not interpret, **options)
+  kbar, vbar, tables = plan.pad_summaries(kbar, vbar, tables)
+  o, lse = _KERNELS[backend].forward(plan, blocks, interpret,
+                                     *(plan.pad_d(x) for x in (q, k, v)), kbar, vbar, tables)
+  return o[..., :q.shape[3]], lse
+
+
+def _backward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vbar,
+              tables: Tables, o, lse, do, *, options):
+  plan = TilePlan.make(backend, blocks, q, tables, compiled=not interpret, **options)
+  delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1, keepdims=True)
+  kbar_p, vbar_p, tables = plan.pad_summaries(kbar, vbar, tables)
+  q_p, k_p, v_p, do_p = (plan.pad_d(x) for x in (q, k, v, do.astype(q.dtype)))
+  grads = _KERNELS[backend].backward(plan, blocks, interpret, q_p, k_p, v_p, kbar_p, vbar_p,
+                                     tables, do_p, lse, delta)
+  d, cubes = q.shape[3], plan.cubes
+  dq, dk, dv = (g[..., :d] for g in grads[:3])
+  dkbar, dvbar = (g[:, :, :cubes, :d] for g in grads[3:])
+  return dq, dk, dv, dkbar, dvbar
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _attend(q, k, v, kbar, vbar, tables, cfg: KernelConfig, options):
+  return _attend_fwd(q, k, v, kbar, vbar, tables, cfg, options)[0]
+
+
+def _attend_fwd(q, k, v, kbar, vbar, tables, cfg, options):
+  fwd = functools.partial(_forward, options=dict(options))
+  o, lse = dispatch(fwd, cfg, q, k, v, kbar, vbar, tables)
+  return o, (q, k, v, kbar, vbar, tables, o, lse)
+
+
+def _attend_bwd(cfg, options, residuals, do):
+  grads = dispatch(functools.partial(_backward, options=dict(options)), cfg, *residuals, do)
+  return (*grads, None)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
+                     radius_blocks: int = 1, block_bias: bool = True, summary_rope=None,
+                     max_cubes: int | None = None, interpret=None,
+                     backend: Backend | None = None, **block_sizes):
+  """Pack3D attention as Pallas kernels, differentiable in q, k and v.
+
+  Args:
+    q, k, v: [B, N, H, D] (q, k already rotated), float32 or bfloat16.
+    coords: int [B, N, 3] (z, y, x) in each token's field; field_ids: int [B, N].
+    block_shape, radius_blocks, block_bias, summary_rope, max_cubes: as in
+      `jaxops.pack3d.pack3d_attention` (the gated merge is an XLA-path option only).
+      With traced coords, an entry needing more than max_cubes cubes gets NaN outputs
+      (`jaxops.pack3d.layout_status` says which and why).
+    interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Triton);
+      True (or a `pltpu.InterpretParams`) interprets everywhere; False never interprets.
+    backend: force one lowering ("mosaic" or "triton"); with `interpret` this runs the
+      other platform's kernel body on CPU.
+    **block_sizes: overrides of `BlockSizes` fields (block_summaries, cubes_per_call,
+      num_warps, num_warps_bwd, num_stages); defaults from `TUNED` for chip and dtype.
+
+  Returns:
+    o [B, N, H, D] in q.dtype; matmuls in the input dtype, softmax in float32.
+  """
+  check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks)
+  cfg = KernelConfig.make("pack3d_attention", BlockSizes, backend=backend, interpret=interpret,
+                          block_sizes=block_sizes)
+  layout = cube_layout(coords, field_ids, block_shape=block_shape, radius_blocks=radius_blocks,
+                       max_cubes=max_cubes, slots_per_cube=next_pow2(math.prod(block_shape)))
+  q_c, k_c, v_c = (layout.to_cubes(x) for x in (q, k, v))        # [B, C, T, H, D]
+  kbar, vbar = cube_summaries(layout, k_c, v_c, coords, summary_rope)
+  batch, cubes, t, heads, d = q_c.shape
+  to_heads = lambda x: jnp.moveaxis(x, 3, 1).reshape(batch, heads, cubes * t, d)
+  summaries = lambda x: jnp.moveaxis(x, 2, 1).astype(q.dtype)    # [B, H, C, D]
+  rows = layout.cube_rows()
+  tables = Tables(key_bias=jnp.where(layout.key_valid(), 0.0, MASK)[:, :, None, :],
+                  cube_rows=rows, cube_cols=jnp.swapaxes(rows, 1, 2),
+                  neighbours=layout.neighbours, num_neighbours=layout.num_neighbours)
+  options = (("block_bias", bool(block_bias)), ("radius", int(radius_blocks)))
+  o = _attend(to_heads(q_c), to_heads(k_c), to_heads(v_c), summaries(kbar), summaries(vbar),
+              tables, cfg, options)
+  o_c = jnp.moveaxis(o.reshape(batch, heads, cubes, t, d), 1, 3)
+  return poison_overflow(layout, layout.from_cubes(o_c))

@@ -1,0 +1,193 @@
+"""Pack3D attention tile math and tile plan, shared by the Mosaic and Triton kernels.
+
+Per query cube (a tile of T slots) one online softmax over two key streams (MASK = -1e30,
+a finite -inf): the <= (2r+1)^3 neighbour cubes (exact tokens, empty slots masked), then
+blocks of S cube summaries whose bias is computed here from the cubes' keys::
+
+  s = q K^T / sqrt(D) + bias          bias: key slot mask, or log n_b on far cubes / MASK
+  m' = max(m, rowmax s) ; l = e^{m-m'} l + rowsum e^{s-m'} ; acc = e^{m-m'} acc + e^{s-m'} V
+  o = acc / l ;  lse = m + log l
+
+Backward (FlashAttention-2 style, p = e^{s - lse}, delta = rowsum(do * o)):
+  dq = sum (p (do V^T - delta)) K / sqrt(D) ;  dK = (p (do V^T - delta))^T q / sqrt(D) ;
+  dV = p^T do.
+
+Far cubes are never stored as a C x C table (C^2 floats: 256 MiB at 262k tokens): each
+program derives its row of far biases from the query cube's key (field, cz, cy, cx) and
+the summary block's keys and counts (`far_bias`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxops.pack3d import MASK
+from jaxops.tiling import dot, dot_nt, dot_tn, next_pow2, round_up
+from pallas_kernels.dispatch import Backend
+from pallas_kernels.pack3d_attention.blocks import BlockSizes
+
+_F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------
+# Tile math. q, do [T, D]; k, v [Tk, D]; bias [1, Tk]; lse, delta [T, 1].
+# ----------------------------------------------------------------------------
+
+def scores(q, k, bias, scale):
+  return dot_nt(q, k) * scale + bias
+
+
+def init_state(t, d):
+  return (jnp.full((t, 1), MASK, _F32), jnp.zeros((t, 1), _F32), jnp.zeros((t, d), _F32))
+
+
+def softmax_step(carry, q, k, v, bias, scale):
+  """One key tile of the online softmax: carry (m, l, acc) -> updated carry."""
+  m, l, acc = carry
+  s = scores(q, k, bias, scale)
+  m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+  alpha, p = jnp.exp(m - m_new), jnp.exp(s - m_new)
+  return (m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True),
+          alpha * acc + dot(p.astype(v.dtype), v))
+
+
+def finish(m, l, acc):
+  return acc / l, m + jnp.log(l)
+
+
+def _probs_and_dscores(q, k, v, bias, do, lse, delta, scale):
+  """p = e^{s - lse} and ds = p (do v^T - delta), both [T, Tk] float32."""
+  p = jnp.exp(scores(q, k, bias, scale) - lse)
+  return p, p * (dot_nt(do, v) - delta)
+
+
+def dq_step(q, k, v, bias, do, lse, delta, scale):
+  _, ds = _probs_and_dscores(q, k, v, bias, do, lse, delta, scale)
+  return dot(ds.astype(k.dtype), k) * scale
+
+
+def dkv_step(q, k, v, bias, do, lse, delta, scale):
+  p, ds = _probs_and_dscores(q, k, v, bias, do, lse, delta, scale)
+  return dot_tn(ds.astype(q.dtype), q) * scale, dot_tn(p.astype(do.dtype), do)
+
+
+# ----------------------------------------------------------------------------
+# Far biases from cube keys. cube_rows [8, S]: rows field, cz, cy, cx, count (float32);
+# a query cube's key comes from an [R, 8] block of the same table transposed.
+# ----------------------------------------------------------------------------
+
+def _row(rows, i):
+  """Row i of a small float32 block as [1, S] (a masked sum: no value slicing)."""
+  ids = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 0)
+  return jnp.sum(jnp.where(ids == i, rows, 0.0), axis=0, keepdims=True)
+
+
+def _col(row, j):
+  """row[0, j] as [1, 1]."""
+  ids = jax.lax.broadcasted_iota(jnp.int32, row.shape, 1)
+  return jnp.sum(jnp.where(ids == j, row, 0.0), axis=1, keepdims=True)
+
+
+def query_key(cols, r):
+  """(field, cz, cy, cx) of the cube in row r of a [R, 8] block of cube_cols, each [1, 1]."""
+  row = _row(cols, r)
+  return tuple(_col(row, j) for j in range(4))
+
+
+def far_bias(key, rows, radius: int, block_bias: bool):
+  """[1, S] float32: log n_b (or 0) for the far cubes of the query cube `key`, MASK else."""
+  field, z, y, x, count = (_row(rows, i) for i in range(5))
+  gap = lambda a, b: jnp.maximum(a - b, b - a)  # |a - b| (Mosaic lowers abs through sign,
+  distance = jnp.maximum(jnp.maximum(gap(z, key[1]), gap(y, key[2])), gap(x, key[3]))  # which
+  # asks the TPU generation and so fails a lowering from CPU)
+  far = (field == key[0]) & (distance > radius) & (count > 0.0)
+  bias = jnp.log(jnp.maximum(count, 1.0)) if block_bias else jnp.zeros_like(count)
+  return jnp.where(far, bias, MASK)
+
+
+# ----------------------------------------------------------------------------
+# The tile plan and the operands. Per batch entry b and head h, tokens cube-major:
+#   q, k, v, o, do [B, H, C*T, D]; lse, delta [B, H, C*T, 1] float32
+#   kbar, vbar [B, H, Cs, D] (Cs: C padded to a multiple of S)
+#   key_bias [B, C, 1, T] float32 (0 for a token, MASK for an empty slot)
+#   cube_rows [B, 8, Cs], cube_cols [B, C, 8] float32 (see `far_bias`)
+#   neighbours [B, C, K] int32, num_neighbours [B, C] int32 (see jaxops.pack3d.CubeLayout)
+# ----------------------------------------------------------------------------
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["key_bias", "cube_rows", "cube_cols", "neighbours",
+                                "num_neighbours"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Tables:
+  """The cube structure as the kernels read it (shapes above)."""
+
+  key_bias: jax.Array
+  cube_rows: jax.Array
+  cube_cols: jax.Array
+  neighbours: jax.Array
+  num_neighbours: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+  """Static sizes of one call: B, H, C cubes, T slots per cube, D (padded), K neighbours
+  per cube, S summaries per step, Cs = C padded to S, the softmax scale, the far test's
+  radius and bias, and (Mosaic) query cubes per call."""
+
+  batch: int
+  heads: int
+  cubes: int
+  t: int
+  d: int
+  k_max: int
+  s_block: int
+  c_s: int
+  scale: float
+  radius: int
+  block_bias: bool
+  cubes_per_call: int
+
+  @classmethod
+  def make(cls, backend: Backend, blocks: BlockSizes, q, tables: Tables, *, radius: int,
+           block_bias: bool, compiled: bool) -> "TilePlan":
+    """compiled=False (interpret mode) lifts the compilers' minimum block_summaries (Mosaic:
+    128 lanes; Triton: 16 for tl.dot), so small tests can walk several summary blocks."""
+    batch, heads, _, d = q.shape
+    cubes, _, t = tables.key_bias.shape[1:]
+    s = blocks.block_summaries
+    if backend == "triton":  # power-of-two tiles, >= 16 for tl.dot
+      if s & (s - 1) or s < (16 if compiled else 1):
+        raise ValueError(f"pack3d_attention: Triton block size `block_summaries` must be a "
+                         f"power of two >= 16, got {s}")
+      s, d_pad, per_call = min(s, next_pow2(cubes)), next_pow2(d), cubes
+    else:  # Mosaic: cubes are the lane axis of cube_rows' blocks
+      if round_up(cubes, 8) <= s:
+        s = round_up(cubes, 8)
+      elif s % (128 if compiled else 8):
+        raise ValueError(f"pack3d_attention: Mosaic block size `block_summaries` must be a "
+                         f"multiple of 128 (or hold every cube), got {s}")
+      d_pad, per_call = d, min(blocks.cubes_per_call, cubes)
+    return cls(batch, heads, cubes, t, d_pad, tables.neighbours.shape[2], s, round_up(cubes, s),
+               1.0 / math.sqrt(d), radius, block_bias, per_call)
+
+  @property
+  def summary_blocks(self) -> int:
+    return self.c_s // self.s_block
+
+  def f32_rows(self):
+    return jax.ShapeDtypeStruct((self.batch, self.heads, self.cubes * self.t, 1), _F32)
+
+  def pad_d(self, x):
+    return jnp.pad(x, ((0, 0),) * 3 + ((0, self.d - x.shape[3]),))
+
+  def pad_summaries(self, kbar, vbar, tables: Tables):
+    """Summaries padded to Cs rows (and D), cube_rows to Cs columns (count 0: not far)."""
+    extra = self.c_s - self.cubes
+    pad_rows = lambda x: self.pad_d(jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0))))
+    rows = jnp.pad(tables.cube_rows, ((0, 0), (0, 0), (0, extra)))
+    return pad_rows(kbar), pad_rows(vbar), dataclasses.replace(tables, cube_rows=rows)

@@ -1,0 +1,182 @@
+"""Pack3D attention on GPU (Triton): one program per (b, h, cube); grid steps cannot carry
+state, so the two key streams are fori_loops inside, reading tiles from refs passed whole
+(k/v rows `pl.ds(pl.multiple_of(c * T, T), T)` of neighbour cube c). D is zero-padded to
+a power of two, as Triton blocks must be."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.pack3d_attention import tiles
+from pallas_kernels.pack3d_attention.tiles import Tables, TilePlan
+
+_F32 = jnp.float32
+
+
+def _rows(c, t):
+  return pl.ds(pl.multiple_of(c * t, t), t)
+
+
+def _neighbour_loop(nbr_ref, nnb_ref, body, init):
+  """fori_loop over this program's neighbour cubes: body(c, carry) -> carry."""
+  return jax.lax.fori_loop(0, nnb_ref[0, 0], lambda j, carry: body(nbr_ref[0, 0, j], carry),
+                           init)
+
+
+def _summary_loop(plan: TilePlan, cols_ref, rows_ref, body, init):
+  """fori_loop over the summary blocks: body(cols, far bias [1, S], carry) -> carry."""
+  key = tiles.query_key(cols_ref[0], 0)
+  s = plan.s_block
+
+  def step(i, carry):
+    cols = _rows(i, s)
+    bias = tiles.far_bias(key, rows_ref[0, :, cols], plan.radius, plan.block_bias)
+    return body(cols, bias, carry)
+
+  return jax.lax.fori_loop(0, plan.summary_blocks, step, init)
+
+
+def _fwd_kernel(nbr_ref, nnb_ref, q_ref, k_ref, v_ref, kb_ref, kbar_ref, vbar_ref, rows_ref,
+                cols_ref, o_ref, lse_ref, *, plan: TilePlan):
+  q, t = q_ref[0, 0], plan.t
+
+  def local(c, state):
+    return tiles.softmax_step(state, q, k_ref[0, 0, _rows(c, t), :], v_ref[0, 0, _rows(c, t), :],
+                              kb_ref[0, c], plan.scale)
+
+  def far(cols, bias, state):
+    return tiles.softmax_step(state, q, kbar_ref[0, 0, cols, :], vbar_ref[0, 0, cols, :], bias,
+                              plan.scale)
+
+  state = _neighbour_loop(nbr_ref, nnb_ref, local, tiles.init_state(*q.shape))
+  o, lse = tiles.finish(*_summary_loop(plan, cols_ref, rows_ref, far, state))
+  o_ref[0, 0] = o.astype(o_ref.dtype)
+  lse_ref[0, 0] = lse
+
+
+def _dq_kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kb_ref,
+               kbar_ref, vbar_ref, rows_ref, cols_ref, dq_ref, *, plan: TilePlan):
+  q, do, lse, delta, t = q_ref[0, 0], do_ref[0, 0], lse_ref[0, 0], delta_ref[0, 0], plan.t
+
+  def local(c, dq):
+    return dq + tiles.dq_step(q, k_ref[0, 0, _rows(c, t), :], v_ref[0, 0, _rows(c, t), :],
+                              kb_ref[0, c], do, lse, delta, plan.scale)
+
+  def far(cols, bias, dq):
+    return dq + tiles.dq_step(q, kbar_ref[0, 0, cols, :], vbar_ref[0, 0, cols, :], bias, do,
+                              lse, delta, plan.scale)
+
+  dq = _neighbour_loop(nbr_ref, nnb_ref, local, jnp.zeros(q.shape, _F32))
+  dq_ref[0, 0] = _summary_loop(plan, cols_ref, rows_ref, far, dq).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kb_ref,
+                dk_ref, dv_ref, *, plan: TilePlan):
+  k, v, bias, t = k_ref[0, 0], v_ref[0, 0], kb_ref[0, 0], plan.t
+
+  def local(c, carry):
+    rows = _rows(c, t)
+    dk, dv = tiles.dkv_step(q_ref[0, 0, rows, :], k, v, bias, do_ref[0, 0, rows, :],
+                            lse_ref[0, 0, rows, :], delta_ref[0, 0, rows, :], plan.scale)
+    return carry[0] + dk, carry[1] + dv
+
+  dk, dv = _neighbour_loop(nbr_ref, nnb_ref, local, (jnp.zeros(k.shape, _F32),) * 2)
+  dk_ref[0, 0] = dk.astype(dk_ref.dtype)
+  dv_ref[0, 0] = dv.astype(dv_ref.dtype)
+
+
+def _dsummary_kernel(q_ref, do_ref, lse_ref, delta_ref, kbar_ref, vbar_ref, rows_ref, cols_ref,
+                     dkbar_ref, dvbar_ref, *, plan: TilePlan):
+  kbar, vbar, t = kbar_ref[0, 0], vbar_ref[0, 0], plan.t
+  rows = rows_ref[0]
+
+  def query_cube(a, carry):
+    toks = _rows(a, t)
+    key = tiles.query_key(cols_ref[0, pl.ds(a, 1), :], 0)
+    bias = tiles.far_bias(key, rows, plan.radius, plan.block_bias)
+    dk, dv = tiles.dkv_step(q_ref[0, 0, toks, :], kbar, vbar, bias, do_ref[0, 0, toks, :],
+                            lse_ref[0, 0, toks, :], delta_ref[0, 0, toks, :], plan.scale)
+    return carry[0] + dk, carry[1] + dv
+
+  dk, dv = jax.lax.fori_loop(0, plan.cubes, query_cube, (jnp.zeros(kbar.shape, _F32),) * 2)
+  dkbar_ref[0, 0] = dk.astype(dkbar_ref.dtype)
+  dvbar_ref[0, 0] = dv.astype(dvbar_ref.dtype)
+
+
+def _call(kernel, plan: TilePlan, grid, in_specs, out_specs, out_shape, interpret, name,
+          warps_and_stages, *args):
+  num_warps, num_stages = warps_and_stages
+  return pl.pallas_call(
+      functools.partial(kernel, plan=plan), grid=grid, in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, interpret=interpret, name=name,
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+  )(*args)
+
+
+class _Specs:
+  """Specs on grid (b, h, cube a): this cube's tiles, whole arrays, and the tables."""
+
+  def __init__(self, plan: TilePlan):
+    cubes, t, d, k_max = plan.cubes, plan.t, plan.d, plan.k_max
+    n = cubes * t
+    self.own = pl.BlockSpec((1, 1, t, d), lambda b, h, a: (b, h, a, 0))
+    self.own_rows = pl.BlockSpec((1, 1, t, 1), lambda b, h, a: (b, h, a, 0))
+    self.whole = pl.BlockSpec((1, 1, n, d), lambda b, h, a: (b, h, 0, 0))
+    self.whole_rows = pl.BlockSpec((1, 1, n, 1), lambda b, h, a: (b, h, 0, 0))
+    self.key_bias_all = pl.BlockSpec((1, cubes, 1, t), lambda b, h, a: (b, 0, 0, 0))
+    self.key_bias_own = pl.BlockSpec((1, 1, 1, t), lambda b, h, a: (b, a, 0, 0))
+    self.summ = pl.BlockSpec((1, 1, plan.c_s, d), lambda b, h, a: (b, h, 0, 0))
+    self.rows = pl.BlockSpec((1, 8, plan.c_s), lambda b, h, a: (b, 0, 0))
+    self.cols = pl.BlockSpec((1, 1, 8), lambda b, h, a: (b, a, 0))
+    self.nbr = pl.BlockSpec((1, 1, k_max), lambda b, h, a: (b, a, 0))
+    self.nnb = pl.BlockSpec((1, 1), lambda b, h, a: (b, a))
+
+
+def forward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, tables: Tables):
+  sp = _Specs(plan)
+  return _call(
+      _fwd_kernel, plan, (plan.batch, plan.heads, plan.cubes),
+      [sp.nbr, sp.nnb, sp.own, sp.whole, sp.whole, sp.key_bias_all, sp.summ, sp.summ, sp.rows,
+       sp.cols],
+      [sp.own, sp.own_rows], [jax.ShapeDtypeStruct(q.shape, q.dtype), plan.f32_rows()],
+      interpret, "pack3d_fwd", (blocks.num_warps, blocks.num_stages), tables.neighbours, tables.num_neighbours, q,
+      k, v, tables.key_bias, kbar, vbar, tables.cube_rows, tables.cube_cols)
+
+
+def backward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, tables: Tables, do, lse,
+             delta):
+  sp = _Specs(plan)
+  grid = (plan.batch, plan.heads, plan.cubes)
+  nbr = (tables.neighbours, tables.num_neighbours)
+  dq = _call(
+      _dq_kernel, plan, grid,
+      [sp.nbr, sp.nnb, sp.own, sp.own, sp.own_rows, sp.own_rows, sp.whole, sp.whole,
+       sp.key_bias_all, sp.summ, sp.summ, sp.rows, sp.cols],
+      sp.own, jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, "pack3d_bwd_dq",
+      (blocks.num_warps, blocks.num_stages), *nbr, q, do, lse, delta, k, v, tables.key_bias, kbar, vbar,
+      tables.cube_rows, tables.cube_cols)
+  dk, dv = _call(
+      _dkv_kernel, plan, grid,
+      [sp.nbr, sp.nnb, sp.whole, sp.whole, sp.whole_rows, sp.whole_rows, sp.own, sp.own,
+       sp.key_bias_own],
+      [sp.own, sp.own],
+      [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      interpret, "pack3d_bwd_dkv", (blocks.num_warps_bwd, blocks.num_stages), *nbr, q, do, lse, delta, k, v,
+      tables.key_bias)
+  s, d, n = plan.s_block, plan.d, plan.cubes * plan.t
+  whole = pl.BlockSpec((1, 1, n, d), lambda b, h, i: (b, h, 0, 0))
+  whole_rows = pl.BlockSpec((1, 1, n, 1), lambda b, h, i: (b, h, 0, 0))
+  summ = pl.BlockSpec((1, 1, s, d), lambda b, h, i: (b, h, i, 0))
+  rows = pl.BlockSpec((1, 8, s), lambda b, h, i: (b, 0, i))
+  cols = pl.BlockSpec((1, plan.cubes, 8), lambda b, h, i: (b, 0, 0))
+  dkbar, dvbar = _call(
+      _dsummary_kernel, plan, (plan.batch, plan.heads, plan.summary_blocks),
+      [whole, whole, whole_rows, whole_rows, summ, summ, rows, cols], [summ, summ],
+      [jax.ShapeDtypeStruct(kbar.shape, kbar.dtype)] * 2, interpret, "pack3d_bwd_dsummary",
+      (blocks.num_warps_bwd, blocks.num_stages), q, do, lse, delta, kbar, vbar, tables.cube_rows, tables.cube_cols)
+  return dq, dk, dv, dkbar, dvbar
