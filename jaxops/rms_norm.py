@@ -11,6 +11,8 @@ caller's job.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -40,3 +42,63 @@ def _bwd(residuals, dy):
 
 
 rms_normalize.defvjp(_fwd, _bwd)
+
+
+# ----------------------------------------------------------------------------
+# Per-group RMS normalization of a flat last axis, as 2-D matmuls.
+# ----------------------------------------------------------------------------
+
+def _group_matrix(width: int, groups: int):
+  """P [width, groups] float32: P[i, g] = 1 where feature i is in group g."""
+  return (jnp.arange(width)[:, None] // (width // groups) == jnp.arange(groups)).astype(
+      jnp.float32)
+
+
+def _group_sum(a, groups: int):
+  """[..., G * D] -> [..., G] float32: per-group sums (a matmul, float32 accumulation)."""
+  return jnp.dot(a, _group_matrix(a.shape[-1], groups).astype(a.dtype),
+                 preferred_element_type=jnp.float32)
+
+
+def _expand(v, width: int):
+  """[..., G] -> [..., width]: each group's value over its features (a matmul: as a
+  broadcast XLA re-derived a [..., G, D] layout)."""
+  return jnp.dot(v, _group_matrix(width, v.shape[-1]).T, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def rms_normalize_groups(x, groups: int, eps: float = 1e-6):
+  """x [..., G * D] -> each group of D features over its own RMS, in x.dtype.
+
+  The same math as `rms_normalize` on x reshaped to [..., G, D], kept flat: the group
+  statistics are small matmuls, so no [..., G, D]-shaped reduction makes XLA pick a
+  transposed layout (on TPU that cost several [L, d] float32 buffers in FlashFFN's
+  backward). Residuals: the output and rstd [..., G].
+  """
+  return _group_forward(x, groups, eps)[0]
+
+
+def _group_forward(x, groups, eps):
+  width = x.shape[-1]
+  ss = _group_sum(x.astype(jnp.float32) * x.astype(jnp.float32), groups)
+  rstd = jax.lax.rsqrt(ss / (width // groups) + eps)                    # [..., G]
+  return (x.astype(jnp.float32) * _expand(rstd, width)).astype(x.dtype), rstd
+
+
+def _group_fwd(x, groups, eps):
+  y, rstd = _group_forward(x, groups, eps)
+  return y, (y, rstd)
+
+
+def _group_bwd(groups, eps, residuals, dy):
+  # The barrier keeps XLA from sharing this expansion of rstd with the forward's, which
+  # would keep an [..., G * D] float32 buffer alive from forward to backward.
+  y, rstd = jax.lax.optimization_barrier(residuals)
+  width = y.shape[-1]
+  y32, dy32 = y.astype(jnp.float32), dy.astype(jnp.float32)
+  mean = _group_sum(dy32 * y32, groups) / (width // groups)
+  dx = _expand(rstd, width) * (dy32 - y32 * _expand(mean, width))
+  return (dx.astype(y.dtype),)
+
+
+rms_normalize_groups.defvjp(_group_fwd, _group_bwd)
