@@ -63,6 +63,20 @@ def _backward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vb
   return dq, dk, dv, dkbar, dvbar
 
 
+def _to_slots(layout, x):
+  """[B, N, H, D] -> head-major cube slots [B, H, C * T, D], empty slots zero. Heads move
+  first before the scatter: a [.., H, D] minor pair (2 x 48) takes an (8, 128) tile on TPU."""
+  xh = jnp.moveaxis(x, 2, 1)
+  flat = jnp.zeros(xh.shape[:2] + (layout.num_cubes * layout.slots_per_cube, xh.shape[3]),
+                   x.dtype)
+  return jax.vmap(lambda f, s, v: f.at[:, s].set(v))(flat, layout.slot, xh)
+
+
+def _from_slots(layout, o):
+  """Inverse of `_to_slots`: [B, H, C * T, D] -> [B, N, H, D]."""
+  return jnp.moveaxis(jax.vmap(lambda f, s: f[:, s])(o, layout.slot), 1, 2)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _attend(q, k, v, kbar, vbar, tables, cfg: KernelConfig, options):
   return _attend_fwd(q, k, v, kbar, vbar, tables, cfg, options)[0]
@@ -110,17 +124,20 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                           block_sizes=block_sizes)
   layout = cube_layout(coords, field_ids, block_shape=block_shape, radius_blocks=radius_blocks,
                        max_cubes=max_cubes, slots_per_cube=next_pow2(math.prod(block_shape)))
-  q_c, k_c, v_c = (layout.to_cubes(x) for x in (q, k, v))        # [B, C, T, H, D]
-  kbar, vbar = cube_summaries(layout, k_c, v_c, coords, summary_rope)
-  batch, cubes, t, heads, d = q_c.shape
-  to_heads = lambda x: jnp.moveaxis(x, 3, 1).reshape(batch, heads, cubes * t, d)
-  summaries = lambda x: jnp.moveaxis(x, 2, 1).astype(q.dtype)    # [B, H, C, D]
+  batch, n, heads, d = q.shape
+  cubes, t = layout.num_cubes, layout.slots_per_cube
+  q_s, k_s, v_s = (_to_slots(layout, x) for x in (q, k, v))      # [B, H, C * T, D]
+  if summary_rope is None:  # cube means straight from the head-major slots
+    inv_n = 1.0 / jnp.maximum(layout.count, 1.0)[:, None, :, None]
+    mean = lambda x: jnp.sum(x.reshape(batch, heads, cubes, t, d).astype(_F32), 3) * inv_n
+    kbar, vbar = mean(k_s), mean(v_s)                             # [B, H, C, D]
+  else:
+    kbar, vbar = (jnp.moveaxis(s, 2, 1) for s in cube_summaries(
+        layout, layout.to_cubes(k), layout.to_cubes(v), coords, summary_rope))
   rows = layout.cube_rows()
   tables = Tables(key_bias=jnp.where(layout.key_valid(), 0.0, MASK)[:, :, None, :],
                   cube_rows=rows, cube_cols=jnp.swapaxes(rows, 1, 2),
                   neighbours=layout.neighbours, num_neighbours=layout.num_neighbours)
   options = (("block_bias", bool(block_bias)), ("radius", int(radius_blocks)))
-  o = _attend(to_heads(q_c), to_heads(k_c), to_heads(v_c), summaries(kbar), summaries(vbar),
-              tables, cfg, options)
-  o_c = jnp.moveaxis(o.reshape(batch, heads, cubes, t, d), 1, 3)
-  return poison_overflow(layout, layout.from_cubes(o_c))
+  o = _attend(q_s, k_s, v_s, kbar.astype(q.dtype), vbar.astype(q.dtype), tables, cfg, options)
+  return poison_overflow(layout, _from_slots(layout, o))
