@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-slow mutants demo bench clean
+.PHONY: setup test test-slow mutants demo bench clean aot-setup compile-check compile-check-tpu memory-aot
 
 setup: $(STAMP)
 
@@ -33,8 +33,36 @@ bench: setup
 	JAX_PLATFORMS=cpu $(PY) -m benchmarks.pack3d_speed
 	JAX_PLATFORMS=cpu $(PY) -m benchmarks.frac_speed
 
+# Deviceless AOT compiles for real chips (benchmarks/aot): the TPU compiler (libtpu) and the
+# CUDA plugin with ptxas live in their own venvs, from the pinned extras in pyproject.toml.
+AOT_TPU := .venv-aot-tpu/.installed
+AOT_GPU := .venv-aot-gpu/.installed
+
+$(AOT_TPU) $(AOT_GPU): .venv-aot-%/.installed: pyproject.toml
+	test -x .venv-aot-$*/bin/python || $(PYTHON) -m venv .venv-aot-$*
+	.venv-aot-$*/bin/python -m pip install --quiet --upgrade pip==26.3
+	.venv-aot-$*/bin/python -m pip install --quiet -e '.[aot-$*]'
+	touch $@
+
+aot-setup: $(AOT_TPU) $(AOT_GPU)
+
+# Every kernel, fwd and grad, f32 and bf16, for TPU v5e/v6e and GPU A100/H100/H200; rewrites
+# the table in benchmarks/README.md. Fails if a kernel does not compile, spills > 1 KiB or
+# takes > 60 s, or if a deliberately oversized block is not refused.
+compile-check: setup aot-setup
+	$(PY) -m benchmarks.aot.check --readme
+
+# The TPU half alone (what CI runs after the tests; the GPU half is `make compile-check`).
+compile-check-tpu: setup $(AOT_TPU)
+	$(PY) -m benchmarks.aot.check --targets=tpu-v5e,tpu-v6e --out=benchmarks/aot/results-tpu
+
+# FlashFFN vs SwiGLU fwd+bwd memory from the TPU and GPU compilers' memory analysis.
+memory-aot: aot-setup
+	PYTHONPATH=. .venv-aot-tpu/bin/python -m benchmarks.aot.memory --target=tpu-v5e
+	PYTHONPATH=. .venv-aot-gpu/bin/python -m benchmarks.aot.memory --target=gpu-h100
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-aot-tpu .venv-aot-gpu .pytest_cache
 
 # Issue 12's evidence (RESULTS.md): every arm of the four CPU-scale experiments, hours on
 # 2 cores; each runner resumes (results/<name>.json, runs/experiments/) and skips finished arms.
