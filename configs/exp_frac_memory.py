@@ -48,10 +48,17 @@ def get_config():
               "length": 2176, "vocab": 16, "lags": tuple(2 ** j for j in range(12)),
               "batch": 4, "steps": 800, "steps_by_arm": {"attention": 200},
               "eval_sequences_per_lag": 8},
+          # the long-memory probe (see configs/exp_frac_memory_diag.py for why dense lag
+          # recall is not one): one value after a marker, asked for at lags 1..2048 across
+          # random distractors
+          "value_recall": {
+              "kind": "value_recall", "length": 2112, "vocab": 16,
+              "lags": tuple(2 ** j for j in range(12)), "batch": 8, "steps": 300,
+              "steps_by_arm": {"attention": 60}, "eval_batches": 8},
           "mqar": {
               "length": 512, "vocab": 256, "num_pairs": 16, "power": 0.01,
               "batch": 16, "steps": 800, "steps_by_arm": {}, "eval_batches": 16},
       },
-      "task_order": ("lag_recall", "mqar"),
+      "task_order": ("lag_recall", "value_recall", "mqar"),
   })
   return c

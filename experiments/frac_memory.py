@@ -59,10 +59,20 @@ def run_config(base, task: str, arm: str, seed: int):
   return c
 
 
+def task_kind(task: str, t) -> str:
+  """The generator of a task: its config's `kind`, else its name (lag_recall, value_recall,
+  mqar)."""
+  return t.get("kind", task)
+
+
 def batches(task: str, t, config):
   """(train_batch(step), eval_batch(i)) for the trainer."""
-  if task == "lag_recall":
+  kind = task_kind(task, t)
+  if kind == "lag_recall":
     make = functools.partial(memory_tasks.lag_recall_lags, seed=config.seed, batch=t.batch,
+                             length=t.length, vocab=t.vocab, lags=tuple(t.lags))
+  elif kind == "value_recall":
+    make = functools.partial(memory_tasks.value_recall, seed=config.seed, batch=t.batch,
                              length=t.length, vocab=t.vocab, lags=tuple(t.lags))
   else:
     make = functools.partial(synthetic.mqar, seed=config.seed, batch=t.batch, length=t.length,
@@ -84,7 +94,21 @@ def predictions(model, inputs: np.ndarray, batch: int) -> np.ndarray:
 
 def evaluate(task: str, t, model, config) -> dict:
   """Held-out accuracy per lag (lag recall) or per log2 gap bucket (MQAR), plus overall."""
-  if task == "lag_recall":
+  kind = task_kind(task, t)
+  if kind == "value_recall":
+    correct = []
+    for i in range(t.eval_batches):
+      b = memory_tasks.value_recall(seed=10_000 + config.seed, stream=text.VAL, index=i,
+                                    batch=t.batch, length=t.length, vocab=t.vocab,
+                                    lags=tuple(t.lags))
+      pred = predictions(model, b["inputs"], t.batch)
+      correct.append(pred[:, 1 + np.asarray(t.lags)] == b["targets"][:, 1 + np.asarray(t.lags)])
+    correct = np.concatenate(correct)                       # [sequences, lags]
+    rows = [{"lag": int(lag), "n": int(correct.shape[0]),
+             "accuracy": float(correct[:, j].mean())} for j, lag in enumerate(t.lags)]
+    return {"by_lag": rows, "accuracy": float(correct.mean()),
+            "chance": 1.0 / (t.vocab - synthetic.FIRST)}
+  if kind == "lag_recall":
     rows = []
     for j, lag in enumerate(t.lags):
       b = memory_tasks.lag_recall_lags(seed=10_000 + config.seed, stream=text.VAL, index=j,
@@ -164,7 +188,7 @@ def plot(results, base, tasks, path) -> None:
       if not rows:
         continue
       chance = rows[0]["chance"]
-      field, x_of = (("by_lag", lambda b: b["lag"]) if task == "lag_recall"
+      field, x_of = (("by_lag", lambda b: b["lag"]) if "by_lag" in rows[0]
                      else ("by_gap", lambda b: np.sqrt(b["lo"] * b["hi"])))
       buckets = [[b for b in r[field] if b["accuracy"] is not None] for r in rows]
       n = min(len(b) for b in buckets)
@@ -178,10 +202,11 @@ def plot(results, base, tasks, path) -> None:
       ax.axhline(chance, color="gray", ls=":", label="chance")
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("lag (tokens)" if task == "lag_recall" else "gap, query - its pair (tokens)")
+    recall = task_kind(task, base.experiment.tasks[task]) != "mqar"
+    ax.set_xlabel("lag (tokens)" if recall else "gap, query - its pair (tokens)")
     ax.set_ylabel("held-out accuracy")
     t = base.experiment.tasks[task]
-    ax.set_title(f"{task}, L={t.length}" + (f", {t.num_pairs} pairs" if task == "mqar" else ""))
+    ax.set_title(f"{task}, L={t.length}" + ("" if recall else f", {t.num_pairs} pairs"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
   common.savefig(fig, path)

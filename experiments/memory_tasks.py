@@ -64,3 +64,39 @@ def bucket_accuracy(correct: np.ndarray, keys: np.ndarray, edges) -> list[dict]:
     out.append({"lo": int(lo), "hi": int(hi), "n": n,
                 "accuracy": float(correct[sel].mean()) if n else None})
   return out
+
+
+QUERY = 0          # the query token of `value_recall` (the blank id: never a data token)
+MARKER = 1         # the marker before the value (the separator id)
+
+
+def value_recall(*, seed: int, stream: int, index: int, batch: int, length: int, vocab: int,
+                 lags) -> dict:
+  """Sparse lag recall: one value to hold across `lag` random distractors, for every lag.
+
+  inputs[0] = MARKER, inputs[1] = v (a data token), then random data tokens (distractors,
+  from the same alphabet as v), except a QUERY token at position 1 + lag for every lag in
+  `lags`; the target there is v (mask 1 only at the query positions). So each sequence asks
+  for the same value at every lag, each lag weighs the same, and the answer needs the memory
+  of ONE token over `lag` steps of input that must be read but not kept (unlike
+  `lag_recall_lags`, whose dense recall at lag k needs the k most recent tokens in order: a
+  delay line that a readout of the form sum_tau K(t - tau) (C_t . B_tau) x_tau, with B, C
+  functions of the local input only, cannot address beyond the conv window).
+  """
+  lags = np.asarray(lags, np.int64)
+  if length < int(lags.max()) + 2:
+    raise ValueError(f"value_recall: length {length} must be at least max(lags) + 2 = "
+                     f"{int(lags.max()) + 2}")
+  if len(set(lags.tolist())) != len(lags) or lags.min() < 1:
+    raise ValueError(f"value_recall: lags must be distinct and >= 1, got {lags.tolist()}")
+  rng = np.random.default_rng([seed, stream, index])
+  inputs = rng.integers(FIRST, vocab, (batch, length)).astype(np.int32)
+  inputs[:, 0] = MARKER
+  value = inputs[:, 1]
+  targets = np.zeros_like(inputs)
+  mask = np.zeros((batch, length), np.float32)
+  pos = 1 + lags
+  inputs[:, pos] = QUERY
+  targets[:, pos] = value[:, None]
+  mask[:, pos] = 1.0
+  return {"inputs": inputs, "targets": targets, "mask": mask}

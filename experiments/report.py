@@ -88,14 +88,15 @@ def lm(d) -> str:
 def frac_memory(d) -> str:
   out = []
   order = ["frac", "mamba2_params", "mamba2_state", "attention"]
-  for task in ("lag_recall", "mqar"):
+  for task in ("lag_recall", "value_recall", "mqar"):
     runs = {k: r for k, r in d["runs"].items() if r["task"] == task}
     if not runs:
       continue
     arms = _by_arm(runs, order + sorted({r["arm"] for r in runs.values()} - set(order)))
     first = next(iter(arms.values()))[0]
-    field = "by_lag" if task == "lag_recall" else "by_gap"
-    labels = ([str(b["lag"]) for b in first[field]] if task == "lag_recall"
+    recall = "by_lag" in first
+    field = "by_lag" if recall else "by_gap"
+    labels = ([str(b["lag"]) for b in first[field]] if recall
               else [f"{b['lo']}-{b['hi'] - 1}" for b in first[field]])
     rows = []
     for a, rs in arms.items():
@@ -106,8 +107,9 @@ def frac_memory(d) -> str:
                   + [f"{x:.2f}" for x in np.nanmean(acc, 0)]
                   + [f"{np.mean([r['wall_s'] for r in rs]) / 60:.1f}"])
     head = ["arm", "params", "state/layer", "steps", "accuracy (all)"] + [
-        ("lag " if task == "lag_recall" else "gap ") + l for l in labels] + ["wall min"]
-    out.append(f"**{task}** (chance {first['chance']:.3f})\n\n" + _table(head, rows))
+        ("lag " if recall else "gap ") + l for l in labels] + ["wall min"]
+    out.append(f"**{task}**, L = {first['length']} (chance {first['chance']:.3f})\n\n"
+               + _table(head, rows))
   return "\n\n".join(out)
 
 
@@ -162,7 +164,8 @@ def main(argv) -> None:
   for a in argv[1:]:
     if a.startswith("--results_dir="):
       directory = pathlib.Path(a.split("=", 1)[1])
-  for name, fn in (("lm_shakespeare", lm), ("frac_memory", frac_memory),
+  for name, fn in (("lm_shakespeare", lm), ("frac_memory_diag", frac_memory),
+                   ("frac_memory", frac_memory),
                    ("repacking", repacking), ("seg3d_cpu", seg3d)):
     d = _load(directory, name)
     if d is None:

@@ -96,9 +96,29 @@ def test_mqar_gaps_point_at_the_pair():
   assert [a["accuracy"] for a in acc] == [0.5, 1.0, 1.0]
 
 
+def test_value_recall_asks_for_the_one_value_at_every_lag():
+  lags = (1, 2, 8, 20)
+  b = memory_tasks.value_recall(seed=0, stream=0, index=0, batch=5, length=24, vocab=10,
+                                lags=lags)
+  pos = 1 + np.asarray(lags)
+  assert (b["inputs"][:, 0] == memory_tasks.MARKER).all()
+  assert (b["inputs"][:, pos] == memory_tasks.QUERY).all()
+  np.testing.assert_array_equal(b["targets"][:, pos], np.repeat(b["inputs"][:, 1:2], 4, 1))
+  assert (b["inputs"][:, 1] >= synthetic.FIRST).all() and b["mask"].sum() == 5 * len(lags)
+  others = np.setdiff1d(np.arange(1, 24), pos)
+  assert (b["inputs"][:, others] >= synthetic.FIRST).all() and (b["mask"][:, others] == 0).all()
+  with pytest.raises(ValueError, match="at least max"):
+    memory_tasks.value_recall(seed=0, stream=0, index=0, batch=1, length=21, vocab=10,
+                              lags=lags)
+
+
 def test_mamba2_state_arm_matches_frac_state():
+  for path in ("configs/exp_frac_memory.py", "configs/exp_frac_memory_diag.py"):
+    _check_state_arm(_load_config(path))
+
+
+def _check_state_arm(base):
   from experiments.frac_memory import run_config
-  base = _load_config("configs/exp_frac_memory.py")
   for task, t in base.experiment.tasks.items():
     frac = run_config(base, task, "frac", 0)
     m2 = run_config(base, task, "mamba2_state", 0)
