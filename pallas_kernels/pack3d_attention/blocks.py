@@ -21,12 +21,16 @@ class BlockSizes:
     SMEM (1 MiB on v5e/v6e), which [B, C, 27] int32 outgrows (1.7 MiB at 262k tokens,
     batch 4): the kernels run as a loop of calls over blocks of this many query cubes,
     each prefetching its block's rows only.
+  block_q_dkv: Triton only. The dK/dV kernel walks each neighbour cube's T query rows in
+    blocks of this many (a power of two >= 16; T if larger): its live tiles are [rows, T]
+    scores beside the [T, D] dK and dV accumulators.
   num_warps, num_warps_bwd, num_stages: Triton launch parameters (forward and dq;
     dk/dv and summary kernels; all).
   """
 
   block_summaries: int = 128
   cubes_per_call: int = 1024
+  block_q_dkv: int = 64
   num_warps: int = 4
   num_warps_bwd: int = 4
   num_stages: int = 2
@@ -40,6 +44,13 @@ class BlockSizes:
 TUNED = {
     ("mosaic", None, "float32"): BlockSizes(block_summaries=128),
     ("mosaic", None, "bfloat16"): BlockSizes(block_summaries=256),
-    ("triton", None, "float32"): BlockSizes(block_summaries=64, num_warps=4, num_warps_bwd=8),
+    # A100 float32: 64-wide summary blocks or dK/dV steps spill 1-9 KB (ptxas falls back
+    # to 32 registers); H100/H200 hold them without spills.
+    ("triton", None, "float32"): BlockSizes(block_summaries=32, block_q_dkv=16, num_warps=4,
+                                            num_warps_bwd=8),
+    ("triton", "gpu-h100", "float32"): BlockSizes(block_summaries=64, num_warps=4,
+                                                  num_warps_bwd=8),
+    ("triton", "gpu-h200", "float32"): BlockSizes(block_summaries=64, num_warps=4,
+                                                  num_warps_bwd=8),
     ("triton", None, "bfloat16"): BlockSizes(block_summaries=64, num_warps=4, num_warps_bwd=4),
 }

@@ -137,7 +137,7 @@ class Tables:
 class TilePlan:
   """Static sizes of one call: B, H, C cubes, T slots per cube, D (padded), K neighbours
   per cube, S summaries per step, Cs = C padded to S, the softmax scale, the far test's
-  radius and bias, and (Mosaic) query cubes per call."""
+  radius and bias, (Mosaic) query cubes per call and (Triton) query rows per dK/dV step."""
 
   batch: int
   heads: int
@@ -151,6 +151,7 @@ class TilePlan:
   radius: int
   block_bias: bool
   cubes_per_call: int
+  dkv_rows: int
 
   @classmethod
   def make(cls, backend: Backend, blocks: BlockSizes, q, tables: Tables, *, radius: int,
@@ -164,6 +165,10 @@ class TilePlan:
       if s & (s - 1) or s < (16 if compiled else 1):
         raise ValueError(f"pack3d_attention: Triton block size `block_summaries` must be a "
                          f"power of two >= 16, got {s}")
+      rows = min(blocks.block_q_dkv, t)
+      if rows & (rows - 1) or rows < (16 if compiled else 1):
+        raise ValueError(f"pack3d_attention: Triton block size `block_q_dkv` must be a power "
+                         f"of two >= 16, got {blocks.block_q_dkv}")
       s, d_pad, per_call = min(s, next_pow2(cubes)), next_pow2(d), cubes
     else:  # Mosaic: cubes are the lane axis of cube_rows' blocks
       if round_up(cubes, 8) <= s:
@@ -171,9 +176,9 @@ class TilePlan:
       elif s % (128 if compiled else 8):
         raise ValueError(f"pack3d_attention: Mosaic block size `block_summaries` must be a "
                          f"multiple of 128 (or hold every cube), got {s}")
-      d_pad, per_call = d, min(blocks.cubes_per_call, cubes)
+      d_pad, per_call, rows = d, min(blocks.cubes_per_call, cubes), t
     return cls(batch, heads, cubes, t, d_pad, tables.neighbours.shape[2], s, round_up(cubes, s),
-               1.0 / math.sqrt(d), radius, block_bias, per_call)
+               1.0 / math.sqrt(d), radius, block_bias, per_call, rows)
 
   @property
   def summary_blocks(self) -> int:

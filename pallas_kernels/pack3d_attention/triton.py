@@ -77,15 +77,19 @@ def _dq_kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref
 
 def _dkv_kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kb_ref,
                 dk_ref, dv_ref, *, plan: TilePlan):
-  k, v, bias, t = k_ref[0, 0], v_ref[0, 0], kb_ref[0, 0], plan.t
+  """dK, dV of one key cube: one loop over (neighbour cube, block of its query rows)."""
+  k, v, bias, r = k_ref[0, 0], v_ref[0, 0], kb_ref[0, 0], plan.dkv_rows
+  parts = plan.t // r
 
-  def local(c, carry):
-    rows = _rows(c, t)
+  def step(j, carry):
+    # lax.div/rem: j >= 0, and jnp's floor division lowers to sign fix-ups Triton rejects
+    rows = _rows(nbr_ref[0, 0, jax.lax.div(j, parts)] * parts + jax.lax.rem(j, parts), r)
     dk, dv = tiles.dkv_step(q_ref[0, 0, rows, :], k, v, bias, do_ref[0, 0, rows, :],
                             lse_ref[0, 0, rows, :], delta_ref[0, 0, rows, :], plan.scale)
     return carry[0] + dk, carry[1] + dv
 
-  dk, dv = _neighbour_loop(nbr_ref, nnb_ref, local, (jnp.zeros(k.shape, _F32),) * 2)
+  init = (jnp.zeros(k.shape, _F32),) * 2
+  dk, dv = jax.lax.fori_loop(0, nnb_ref[0, 0] * parts, step, init)
   dk_ref[0, 0] = dk.astype(dk_ref.dtype)
   dv_ref[0, 0] = dv.astype(dv_ref.dtype)
 
