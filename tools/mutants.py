@@ -117,8 +117,8 @@ MUTANTS = [
       "head_norm: bool = True", "head_norm: bool = False",
       f"{LF}::test_flashffn_formula_with_defaults"),
     m("flashffn_router_softmax", "models/flash_ffn.py",
-      "return q, sig / jnp.maximum(jnp.sum(sig, axis=-1, keepdims=True), 1e-20)",
-      "return q, jax.nn.softmax(z.reshape(*lead, heads, experts), axis=-1)",
+      "r = sig / jnp.maximum(jnp.sum(sig, axis=-1, keepdims=True), 1e-20)",
+      "r = jax.nn.softmax(z.reshape(*lead, heads, experts), axis=-1)",
       f"{LF}::test_flashffn_formula_with_defaults"),
     m("flashffn_gain_not_folded_into_router", "models/flash_ffn.py",
       "return router * gain[:, :, None], fold(k), fold(u), v",
@@ -269,6 +269,9 @@ MUTANTS = [
     m("flashffn_kernel_router_weight_dropped", "pallas_kernels/flash_ffn/tiles.py",
       "a = m * jax.nn.sigmoid(m) * n * r_e", "a = m * jax.nn.sigmoid(m) * n",
       "tests/test_flash_ffn.py::test_matches_reference_forward_and_gradients"),
+    m("pack3d_triton_dkv_row_block_offset_dropped", "pallas_kernels/pack3d_attention/triton.py",
+      "* parts + jax.lax.rem(j, parts), r)", "* parts, r)",
+      "tests/test_pack3d.py::test_matches_reference_forward_and_gradients"),
 ]
 
 

@@ -114,7 +114,8 @@ def _mib(n) -> str:
 
 def _line(r: dict) -> str:
   bad = verdict(r)
-  head = f"{'FAIL' if bad else 'ok  '} {r['target']:9s} {r['case']:42s} {r['compile_s']:6.1f}s"
+  head = (f"{'FAIL' if bad else 'ok  '} {r['target']:9s} {r['case']:42s} {r['compile_s']:6.1f}s"
+          f" (cpu {r.get('cpu_s', 0.0):5.1f}s)")
   if r["status"] != "ok":
     return f"{head}  {r['status']}: {r.get('error', '')[:160]}"
   parts = []
@@ -184,8 +185,10 @@ def main(argv=None):
     results += run_target(target, cases_lib.all_cases(target.kind, ops), args.timeout)
   elapsed = time.monotonic() - start
   failures = [r for r in results if verdict(r)]
+  load = os.getloadavg()[2]
   summary = (f"{len(results) - len(failures)}/{len(results)} cases pass in {elapsed:.0f} s "
-             f"({len(failures)} failing)")
+             f"({len(failures)} failing; load average over the last 15 min {load:.1f} on "
+             f"{os.cpu_count()} cores)")
   print(summary)
   table = markdown(results)
   pathlib.Path(args.out + ".json").write_text(json.dumps(results, indent=1) + "\n")

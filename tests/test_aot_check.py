@@ -1,0 +1,118 @@
+"""The compile check's own logic (benchmarks/aot): the parsers of what the compilers print,
+the pass/fail verdict, and the case list. The compilers themselves run in
+`make compile-check` (their own venvs); these tests feed them lines the real compilers
+printed (ptxas 12.9 for sm_80/sm_90a, XLA GPU thunk sequences, libtpu's after_codegen).
+"""
+
+import pytest
+
+from benchmarks.aot import cases, check, report
+
+PTXAS = """\
+I1203 subprocess_compilation.cc:356] ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'pack3d_bwd_dkv' for 'sm_80'
+ptxas info    : Function properties for pack3d_bwd_dkv
+    5752 bytes stack frame, 7736 bytes spill stores, 7656 bytes spill loads
+ptxas info    : Used 32 registers, used 1 barriers, 5752 bytes cumulative stack size
+ptxas info    : Compile time = 956.760 ms
+ptxas info    : Compiling entry function 'flash_ffn_bwd_dq' for 'sm_90a'
+ptxas info    : Function properties for flash_ffn_bwd_dq
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 248 registers, used 1 barriers
+ptxas info    : Compile time = 556.590 ms
+"""
+
+THUNKS = """\
+002: kCustomKernel [source       | next=009 (7) ] loop_broadcast_fusion_7 grid: [1, 1, 1] threads: [2, 1, 1]  shared_memory: 0 bytes
+083: kCustomKernel [prev=082 (1) | next=084 (1) ] pack3d_fwd grid: [2, 2, 1024] threads: [128, 1, 1]  shared_memory: 52224 bytes
+087: kCustomKernel [prev=086 (1) | next=088 (1) ] pack3d_bwd_dsummary grid: [2, 2, 16] threads: [256, 1, 1]  shared_memory: 66080 bytes
+"""
+
+CODEGEN = (
+    '  %flash_ffn_bwd_dkuv.1 = (bf16[8,11,256,128]{3,2,1,0:T(8,128)(2,1)}) custom-call(%fusion.6), '
+    'custom_call_target="tpu_custom_call", backend_config={"used_scoped_memory_configs":'
+    '[{"memory_space":"1","offset":"0","size":"3903488"}],"retry_config":{"retry_count":"0"}}\n'
+    '  %flash_ffn_fwd.3 = f32[4096,1024]{1,0:T(8,128)S(1)} custom-call(%a), '
+    'custom_call_target="tpu_custom_call", backend_config={"used_scoped_memory_configs":'
+    '[{"memory_space":"1","offset":"0","size":"1077248"}]}\n'
+    '  %fusion.2 = f32[8]{0} fusion(%p), kind=kLoop\n')
+
+
+def test_ptxas_report_per_entry_function():
+  got = report.ptxas(PTXAS)
+  assert got == {
+      "pack3d_bwd_dkv": dict(stack=5752, spill_stores=7736, spill_loads=7656, registers=32,
+                             ptxas_ms=956.76),
+      "flash_ffn_bwd_dq": dict(stack=0, spill_stores=0, spill_loads=0, registers=248,
+                               ptxas_ms=556.59)}
+
+
+def test_dump_parsers(tmp_path):
+  (tmp_path / "module_0001.jit_grad.thunk_sequence.txt").write_text(THUNKS)
+  (tmp_path / "module_0000.jit_fwd.after_codegen.txt").write_text(CODEGEN)
+  assert report.gpu_shared_memory(tmp_path) == {
+      "loop_broadcast_fusion_7": 0, "pack3d_fwd": 52224, "pack3d_bwd_dsummary": 66080}
+  assert report.tpu_scoped_vmem(tmp_path) == {"flash_ffn_bwd_dkuv": 3903488,
+                                              "flash_ffn_fwd": 1077248}
+  error = ("JaxRuntimeError: RESOURCE_EXHAUSTED: Shared memory size limit exceeded: "
+           "requested 917504, available: 232448")
+  assert report.requested_shared_memory(error) == 917504
+
+
+def _result(**overrides):
+  r = {"case": "pack3d/65k/grad/float32", "target": "gpu-a100", "status": "ok",
+       "expect_failure": False, "compile_s": 7.0, "hbm_temp": 2**20,
+       "kernels": {"pack3d_bwd_dkv": dict(smem=41088, registers=255, spill_stores=96,
+                                          spill_loads=92)}}
+  r.update(overrides)
+  return r
+
+
+@pytest.mark.parametrize("overrides, why", [
+    ({}, ""),
+    ({"compile_s": 61.0}, "compile took 61 s"),
+    ({"kernels": {"k": dict(spill_stores=600, spill_loads=500)}}, "k spills 1100 B"),
+    ({"kernels": {"k": dict(spill_stores=512, spill_loads=512)}}, ""),  # 1 KiB is allowed
+    ({"kernels": {}}, "no Pallas kernel in the compiled program"),
+    ({"status": "timeout", "error": "no result after 300 s"}, "timeout"),
+    ({"status": "error", "error": "RESOURCE_EXHAUSTED: Shared memory size limit exceeded"},
+     "error"),
+    # an oversized block must be refused for its memory, and for nothing else
+    ({"expect_failure": True, "status": "error",
+      "error": "JaxRuntimeError: RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom"}, ""),
+    ({"expect_failure": True},
+     "an oversized block was not refused for its memory"),
+    ({"expect_failure": True, "status": "error", "error": "ValueError: bad block"},
+     "an oversized block was not refused for its memory"),
+])
+def test_verdict(overrides, why):
+  assert check.verdict(_result(**overrides)) == why
+
+
+def test_markdown_marks_failures_and_expected_failures():
+  table = check.markdown([
+      _result(),
+      _result(target="gpu-h100", compile_s=75.0),
+      _result(case="flash_ffn/370m/fwd/float32+block_q=256", target="gpu-h200",
+              expect_failure=True, status="error",
+              error="RESOURCE_EXHAUSTED: Shared memory size limit exceeded")])
+  rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:] if line}
+  assert "40K · 255 · 188 · 7.0" in rows["pack3d/65k/grad/float32 pack3d_bwd_dkv"]
+  assert "**FAIL** (compile took 75 s)" in rows["pack3d/65k/grad/float32 pack3d_bwd_dkv"]
+  assert "expected failure: error: RESOURCE_EXHAUSTED" in table
+
+
+def test_cases_cover_the_issue_shapes_and_round_trip():
+  for kind in ("tpu", "gpu"):
+    every = cases.all_cases(kind)
+    names = {c.name for c in every}
+    for op, shape in (("flash_ffn", "370m"), ("pack3d", "65k"), ("frac_scan", "16k")):
+      for direction in ("fwd", "grad"):
+        for dtype in ("float32", "bfloat16"):
+          assert f"{op}/{shape}/{direction}/{dtype}" in names
+    assert sum(c.expect_failure for c in every) == 1
+    for c in every:
+      assert cases.parse(c.name) == c
+  assert cases.SHAPES["flash_ffn"]["370m"] == dict(b=1, l=16384, h=8, d=128, e=11, f=256)
+  assert cases.SHAPES["pack3d"]["65k"]["b"] == 2
+  assert cases.SHAPES["frac_scan"]["16k"] == dict(b=1, l=16384, h=4, p=64, n=16, m=16)
