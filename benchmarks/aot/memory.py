@@ -90,7 +90,8 @@ def main(argv=None):
     for what in ("layer", "op"):
       base, ours = [v for k, v in rows.items() if k.startswith(what)]
       print(f"| {dtype_name} | **{what}: SwiGLU / FlashFFN** | "
-            + " | ".join(f"**{b / max(o, 1):.1f}x**" for b, o in zip(base, ours)) + " |")
+            + " | ".join(f"**{b / o:.1f}x**" if o >= 2**20 else "- (< 1 MiB)"
+                         for b, o in zip(base, ours)) + " |")
 
 
 if __name__ == "__main__":
