@@ -1,7 +1,13 @@
-"""Checkpoints with orbax: save every k steps, keep the newest few, restore the newest.
+"""Checkpoints with orbax: when to save, how many to keep, and a restore that survives damage.
 
-Orbax writes each step to a temporary directory and renames it when complete, so a run killed
-mid-save leaves no half-written checkpoint that `restore_latest` could pick up.
+Cadence and retention are orbax's own policies: a save every `every` steps and at the last step
+(FixedIntervalPolicy, SpecificStepsPolicy), the newest `keep` kept (LatestN). Orbax writes each
+step to a temporary directory and renames it when complete, so a run killed mid-save leaves no
+half-written checkpoint under a step's name. Added here:
+- `save` refuses a state holding NaN or inf (one boolean reduced on device), so every checkpoint
+  on disk is finite;
+- `restore_latest` skips a checkpoint that does not restore (truncated, emptied), moving it aside
+  with a warning, and reports a checkpoint of another model as one UsageError.
 """
 
 from __future__ import annotations
@@ -9,35 +15,132 @@ from __future__ import annotations
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from absl import logging
+from orbax.checkpoint import checkpoint_managers as policies
+
+from train.errors import TrainingError, UsageError
+
+
+class NonFiniteStateError(TrainingError):
+  """The state to be saved holds NaN or inf; nothing was saved."""
+
+
+class DifferentModelError(UsageError):
+  """The checkpoints hold another tree of arrays (names, shapes or dtypes) than the model."""
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  """One boolean: every float leaf of `tree` is finite (reduced on device, one scalar fetched)."""
+  flags = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree)
+           if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.stack(flags).all() if flags else jnp.bool_(True)
+
+
+def _arrays(tree) -> dict[str, tuple]:
+  """{"params/layers/0/w": (shape, dtype)} for every array-like leaf of `tree`."""
+  def name(key):    # dict keys, sequence indices and (named-tuple) attributes alike
+    for attr in ("key", "idx", "name"):
+      if hasattr(key, attr):
+        return str(getattr(key, attr))
+    return str(key)
+
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {"/".join(name(k) for k in path): (tuple(x.shape), jnp.dtype(x.dtype).name)
+          for path, x in leaves}
+
+
+def tree_difference(saved, wanted) -> str:
+  """The first difference between two trees of arrays, in words; "" when they match."""
+  a, b = _arrays(saved), _arrays(wanted)
+  for name in sorted(a.keys() | b.keys()):
+    if name not in b:
+      return f"the checkpoint has {name} {a[name][0]}, which the model lacks"
+    if name not in a:
+      return f"the model has {name} {b[name][0]}, which the checkpoint lacks"
+    if a[name] != b[name]:
+      return f"{name} is {a[name][0]} {a[name][1]} in the checkpoint, {b[name][0]} {b[name][1]} in the model"
+  return ""
 
 
 class Checkpoints:
   """Checkpoints of a train-state pytree under `directory`."""
 
-  def __init__(self, directory: str | pathlib.Path, *, every: int, keep: int):
-    self.every = every
-    self.manager = ocp.CheckpointManager(
-        pathlib.Path(directory).absolute(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+  def __init__(self, directory: str | pathlib.Path, *, every: int, keep: int, last: int):
+    self.directory = pathlib.Path(directory).absolute()
+    save_policy = policies.AnySavePolicy([policies.FixedIntervalPolicy(every),
+                                          policies.SpecificStepsPolicy((last,))])
+    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+        save_decision_policy=save_policy, preservation_policy=policies.LatestN(keep),
+        create=True), item_handlers=ocp.StandardCheckpointHandler())
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def restore_latest(self, like):
-    """The newest checkpoint restored with the shapes/dtypes/shardings of `like`, or None."""
-    step = self.manager.latest_step()
-    if step is None:
-      return None
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
-    return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
-
-  def due(self, step: int, last: int) -> bool:
-    return step % self.every == 0 or step == last
+  def due(self, step: int) -> bool:
+    """Whether the policies call for a checkpoint after `step` steps (and none exists yet)."""
+    return self.manager.should_save(step)
 
   def save(self, step: int, state) -> None:
+    """Starts saving `state` as checkpoint `step` (finished by the next save or `close`).
+
+    NonFiniteStateError, saving nothing, if any float array of `state` holds NaN or inf.
+    """
+    if not bool(_all_finite(state)):
+      raise NonFiniteStateError(
+          f"the parameters or optimizer state after step {step} hold NaN or inf (the loss may "
+          f"still look finite): stopping without saving them; {self.newest_note()}")
     self.manager.save(step, args=ocp.args.StandardSave(state), force=True)
+
+  def newest_note(self) -> str:
+    """What a rerun resumes from, in words (true because `save` writes only finite states)."""
+    newest = self.latest_step()
+    if newest is None:
+      return "no checkpoint was saved before it, so a rerun starts from step 0"
+    return (f"the newest checkpoint, step {newest} in {self.directory}, was checked finite when "
+            "saved and a rerun resumes from it")
+
+  def restore_latest(self, like):
+    """The newest checkpoint that restores, with the shapes/dtypes/shardings of `like`; or None.
+
+    A checkpoint that cannot be read is renamed `<step>.unreadable` (orbax then ignores it; it is
+    kept for inspection) with a warning, and the next older one is tried. DifferentModelError
+    if a readable checkpoint holds other arrays than `like`.
+    """
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        metadata = self.manager.item_metadata(step)
+        difference = tree_difference(metadata, abstract) if metadata else "no metadata"
+      except Exception as e:  # noqa: BLE001  (any failure to read means: try an older one)
+        self._set_aside(step, e)
+        continue
+      if difference == "no metadata":
+        self._set_aside(step, ValueError("its metadata is missing"))
+        continue
+      if difference:
+        raise DifferentModelError(difference)
+      try:
+        return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
+      except Exception as e:  # noqa: BLE001
+        self._set_aside(step, e)
+    return None
+
+  def _set_aside(self, step: int, error: Exception) -> None:
+    path = self.directory / str(step)
+    aside = path.with_name(f"{step}.unreadable")
+    n = 1
+    while aside.exists():
+      aside, n = path.with_name(f"{step}.unreadable{n}"), n + 1
+    if jax.process_index() == 0:
+      path.rename(aside)
+    reason = (str(error).strip().splitlines() or [""])[0][:200]
+    logging.warning("checkpoint %d does not restore (%s: %s); moved it to %s and trying the "
+                    "next older one", step, type(error).__name__, reason, aside)
+    self.manager.reload()
 
   def close(self) -> None:
     self.manager.wait_until_finished()

@@ -1,11 +1,22 @@
-"""What every training binary shares: --config, --workdir, the multi-host flags, `run`."""
+"""What every training binary shares: --config, --workdir, the multi-host flags, `run`.
 
+Bad input ends a binary with one line on stderr, `error: ...`, naming the flag or config field,
+its value and what was expected, and exit status 2: flag and config-override parse errors, an
+unknown config field, a missing config file, an unwritable workdir (checked before anything
+slow), multi-host flags that do not fit together, and every train.errors.UsageError the config
+checks raise. A run stopped on purpose (train.errors.TrainingError: non-finite values) prints its
+message with status 1. Everything else is a bug and keeps its traceback.
+"""
+
+import re
+import runpy
+import sys
 from typing import Callable
 
 from absl import app, flags, logging
-from ml_collections import config_flags
+from ml_collections import ConfigDict, config_flags
 
-from train import sharding
+from train import errors, sharding, trainer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (configs/*.py).",
                                           lock_config=True)
@@ -19,6 +30,62 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processe
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, N).")
 
 
+def _fail(message: str, status: int = 2):
+  sys.stderr.write(f"error: {message}\n")
+  sys.exit(status)
+
+
+def _unknown_field(argv: list[str]) -> str:
+  """Which --config.<path>=... override names no field of the config file, in words."""
+  config_file = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+  config = runpy.run_path(config_file)["get_config"]()
+  for override in re.findall(r"^--config\.([^=]+)", "\n".join(argv), re.M):
+    node, parts = config, override.split(".")
+    for i, key in enumerate(parts):
+      where = ".".join(["config", *parts[:i]])
+      if not isinstance(node, ConfigDict) or key not in node:
+        known = sorted(node.keys()) if isinstance(node, ConfigDict) else "none (not a ConfigDict)"
+        return (f"--config.{override}: {config_file} has no field {where}.{key}; "
+                f"the fields of {where} are {known}")
+      node = node[key]
+  return ""
+
+
+def _config_file_error(error: OSError) -> str:
+  """ml_collections' multi-line load error -> `--config=FILE: <its last line>`."""
+  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+  return f"--config={flags.FLAGS['config'].config_filename}: cannot load it ({lines[-1]})"
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing with one-line errors instead of usage dumps and chained tracebacks."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(str(e))
+  except (AttributeError, KeyError) as e:      # ml_collections: an override of a missing field
+    _fail(_unknown_field(argv) or f"bad --config override: {e}")
+  except OSError as e:                          # ml_collections: the config file cannot be read
+    _fail(_config_file_error(e))
+
+
+def check_flags(argv: list[str]) -> None:
+  """UsageError for leftover positional arguments and multi-host flags that do not fit."""
+  if len(argv) > 1:
+    raise errors.UsageError(f"unexpected arguments {argv[1:]}: flags take the form --name=value")
+  n, i = _NUM_PROCESSES.value, _PROCESS_ID.value
+  if not _COORDINATOR.value:
+    if n is not None or i is not None:
+      raise errors.UsageError("--num_processes/--process_id need --coordinator_address=HOST:PORT")
+    return
+  if not re.fullmatch(r"[^:\s]+:\d+", _COORDINATOR.value):
+    raise errors.UsageError(f"--coordinator_address={_COORDINATOR.value}: expected HOST:PORT")
+  if n is None or n < 1:
+    raise errors.UsageError(f"--num_processes={n}: expected a positive int with a coordinator")
+  if i is None or not 0 <= i < n:
+    raise errors.UsageError(f"--process_id={i}: expected an int in [0, {n})")
+
+
 def initialize() -> None:
   """Quiet library logging; jax.distributed.initialize when --coordinator_address is given."""
   logging.set_verbosity(logging.WARNING)
@@ -30,11 +97,25 @@ def workdir() -> str:
 
 
 def run(train_and_evaluate: Callable) -> None:
-  """The binary's main: parse flags, initialize, train_and_evaluate(config, workdir)."""
+  """The binary's main: parse flags, check them and the workdir, initialize,
+  train_and_evaluate(config, workdir); errors as described in the module docstring."""
 
   def main(argv):
-    del argv
-    initialize()
-    train_and_evaluate(_CONFIG.value, workdir())
+    try:
+      try:
+        config = _CONFIG.value
+        config.keys()                         # a config file that failed to load raises here
+      except OSError as e:
+        raise errors.UsageError(_config_file_error(e)) from None
+      check_flags(argv)
+      trainer.prepare_workdir(workdir())       # fails in a second, before any compiling
+      initialize()
+      train_and_evaluate(config, workdir())
+    except errors.UsageError as e:
+      _fail(str(e))
+    except errors.TrainingError as e:
+      _fail(str(e), status=1)
+    except KeyboardInterrupt:                   # before training started: nothing to save
+      _fail("interrupted before training started; nothing was saved", status=130)
 
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -13,6 +13,7 @@ config.model.impl "auto" picks "pallas" on TPU/GPU and "xla" on CPU.
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +22,12 @@ from flax import nnx
 
 from models.lm import LanguageModel
 from train import trainer
+from train.errors import UsageError
 from train.data import synthetic, text
 
 
 def make_model(config) -> LanguageModel:
-  """LanguageModel from config.model; ValueError naming config.model if it cannot be built.
+  """LanguageModel from config.model; UsageError naming config.model if it cannot be built.
 
   Initialisation draws from the "rbg" PRNG: it compiles ~4x faster than threefry on CPU.
   """
@@ -35,7 +37,7 @@ def make_model(config) -> LanguageModel:
     return LanguageModel(**kwargs, dtype=trainer.compute_dtype(config),
                          rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")))
   except (ValueError, TypeError, ImportError) as e:
-    raise ValueError(f"config.model is invalid: {e}") from e
+    raise UsageError(f"config.model is invalid: {e}") from e
 
 
 def lm_loss(model, batch):
@@ -51,41 +53,54 @@ def lm_loss(model, batch):
 
 
 def text_batches(config):
-  """(train_batch(step), eval_batch(i)) of next-byte windows."""
-  train_bytes, val_bytes = text.split(
-      text.load_corpus(config.data.path, max_bytes=config.data.max_bytes),
-      config.data.val_fraction)
+  """(train_batch(step), eval_batch(i)) of next-byte windows; UsageError naming config.data.path
+  if the corpus cannot be read or is too short for the windows."""
+  expected = "expected a readable text file, or '' for the Python stdlib source"
+  if config.data.path and not pathlib.Path(config.data.path).is_file():
+    raise UsageError(f"config.data.path={config.data.path!r} is not a file; {expected}")
+  try:
+    train_bytes, val_bytes = text.split(
+        text.load_corpus(config.data.path, max_bytes=config.data.max_bytes),
+        config.data.val_fraction)
+  except (OSError, ValueError) as e:
+    raise UsageError(f"config.data.path={config.data.path!r}: {e}; {expected}") from e
 
   def batch(data, stream, index):
     w = text.windows(data, seed=config.seed, stream=stream, index=index,
                      batch=config.batch_size, length=config.model.context)
     return {"inputs": w[:, :-1], "targets": w[:, 1:]}
 
-  return (functools.partial(batch, train_bytes, text.TRAIN),
-          functools.partial(batch, val_bytes, text.VAL))
+  train_batch = functools.partial(batch, train_bytes, text.TRAIN)
+  eval_batch = functools.partial(batch, val_bytes, text.VAL)
+  try:                                           # fail now, not at the first step
+    train_batch(index=0), eval_batch(index=0)
+  except ValueError as e:
+    raise UsageError(f"config.data.path={config.data.path!r} with config.data.max_bytes="
+                     f"{config.data.max_bytes}: {e}") from e
+  return train_batch, eval_batch
 
 
 def synthetic_batches(config):
   """(train_batch(step), eval_batch(i)) of the synthetic task config.data.kind."""
   c = config.data
   if not 0 < c.vocab <= config.model.vocab_size:
-    raise ValueError(f"config.data.vocab ({c.vocab}) must be in [1, config.model.vocab_size]")
+    raise UsageError(f"config.data.vocab ({c.vocab}) must be in [1, config.model.vocab_size]")
   make = functools.partial(synthetic.TASKS[c.kind], seed=config.seed, batch=config.batch_size,
                            length=config.model.context, vocab=c.vocab, **c.options)
   try:
     make(stream=text.VAL, index=0)
   except (ValueError, TypeError) as e:
-    raise ValueError(f"config.data.options do not fit config.data.kind={c.kind!r}: {e}") from e
+    raise UsageError(f"config.data.options do not fit config.data.kind={c.kind!r}: {e}") from e
   return (functools.partial(make, stream=text.TRAIN), functools.partial(make, stream=text.VAL))
 
 
 def build_task(config) -> trainer.Task:
   kinds = ("text",) + tuple(synthetic.TASKS)
   if config.data.kind not in kinds:
-    raise ValueError(f"config.data.kind must be one of {kinds}, got {config.data.kind!r}")
-  model = make_model(config)
+    raise UsageError(f"config.data.kind must be one of {kinds}, got {config.data.kind!r}")
   batches = text_batches if config.data.kind == "text" else synthetic_batches
-  train_batch, eval_batch = batches(config)
+  train_batch, eval_batch = batches(config)        # data errors first: the model is slower
+  model = make_model(config)
   return trainer.Task(model=model, loss_fn=lm_loss,
                       train_batch=lambda step: train_batch(index=step),
                       eval_batch=lambda i: eval_batch(index=i),
@@ -104,16 +119,19 @@ def check_sample_config(config) -> None:
   """The attention KV cache holds config.model.context tokens: the sample must fit in it."""
   length = len(config.sample.prompt.encode()) + config.sample.num_tokens
   if config.model.mixer == "attention" and length > config.model.context:
-    raise ValueError(f"config.sample.num_tokens: prompt + {config.sample.num_tokens} tokens = "
+    raise UsageError(f"config.sample.num_tokens: prompt + {config.sample.num_tokens} tokens = "
                      f"{length} exceed the attention context config.model.context = "
                      f"{config.model.context}")
 
 
 def train_and_evaluate(config, workdir: str) -> trainer.FitResult:
-  """Train the LM, print a generated sample, say where the outputs are."""
+  """Train the LM, print a generated sample, say where the outputs are (after a signal: only
+  what fit printed, the saved step and how to resume)."""
   trainer.check_config(config)
   check_sample_config(config)
   result = trainer.fit(config, workdir, build_task(config))
+  if result.stopped:
+    return result
   if config.sample.num_tokens > 0:
     text_out = sample(result.model, config)
     (result.workdir / "sample.txt").write_text(text_out)

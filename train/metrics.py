@@ -3,7 +3,15 @@
 metrics.jsonl holds one JSON object per logged step, e.g.
   {"step": 10, "loss": 2.31, "grad_norm": 0.8, "lr": 0.001, "steps_per_s": 5.2, ...}
 and evaluation rows {"step": 10, "eval_loss": 2.40}. On resume, rows at or after the restored
-step are dropped first, so the file always describes one uninterrupted run.
+step are dropped first (TensorBoard hides its old events there too), so both describe one
+uninterrupted run. A last line torn by a kill is dropped with a warning. Both files are written
+through at every row, so a killed run loses no logged row.
+
+Hand-written on purpose: clu's metric writers and periodic actions would be the library pieces,
+but clu (0.0.12) imports TensorFlow in `clu.metric_writers` and `clu.periodic_actions`, a far
+larger dependency than this file; and tensorboardX's SummaryWriter hands events to a background
+thread whose flush() does not wait for them, so it loses the last rows at a kill. The event file
+is therefore written here, synchronously, with tensorboardX's record writer and protos.
 """
 
 from __future__ import annotations
@@ -11,11 +19,13 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import socket
 import sys
 import time
 
 import jax
 import numpy as np
+from absl import logging
 
 
 class MetricWriter:
@@ -30,8 +40,7 @@ class MetricWriter:
     if self.path.exists():
       kept = [r for r in read_metrics(self.path) if r["step"] < resume_step]
       self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    from tensorboardX import SummaryWriter  # noqa: PLC0415  (heavy import, process 0 only)
-    self.tb = SummaryWriter(str(workdir / "tb"))
+    self.tb = _EventFile(workdir / "tb", restart_step=resume_step)
 
   def write(self, step: int, row: dict) -> None:
     if not self.active:
@@ -39,17 +48,55 @@ class MetricWriter:
     row = {"step": step, **{k: float(v) for k, v in row.items()}}
     with self.path.open("a") as f:
       f.write(json.dumps(row) + "\n")
-    for k, v in row.items():
-      if k != "step":
-        self.tb.add_scalar(k, v, step)
+    self.tb.write(step, {k: v for k, v in row.items() if k != "step"})
 
   def close(self) -> None:
     if self.tb is not None:
       self.tb.close()
 
 
+class _EventFile:
+  """A TensorBoard event file of scalars, each row on disk when `write` returns."""
+
+  def __init__(self, directory: pathlib.Path, *, restart_step: int):
+    # a slow import, done by process 0 only
+    from tensorboardX import record_writer, summary  # noqa: PLC0415
+    from tensorboardX.proto import event_pb2  # noqa: PLC0415
+    self._event, self._scalar = event_pb2.Event, summary.scalar
+    directory.mkdir(parents=True, exist_ok=True)
+    name = f"events.out.tfevents.{time.time_ns()}.{socket.gethostname()}"   # sorts by time
+    self.file = record_writer.RecordWriter(str(directory / name))
+    self._write(file_version="brain.Event:2")
+    if restart_step:   # TensorBoard hides older files' events at and after a restart's step
+      start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+      self._write(step=restart_step, session_log=start)
+    self.file.flush()
+
+  def _write(self, **fields) -> None:
+    self.file.write(self._event(wall_time=time.time(), **fields).SerializeToString())
+
+  def write(self, step: int, scalars: dict) -> None:
+    for k, v in scalars.items():
+      self._write(step=step, summary=self._scalar(k, v))
+    self.file.flush()
+
+  def close(self) -> None:
+    self.file.close()
+
+
 def read_metrics(path: pathlib.Path) -> list[dict]:
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  """The rows of a metrics.jsonl; a torn last line (a kill mid-write) is dropped with a warning,
+  a bad line elsewhere is a ValueError naming the file and line."""
+  lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+  rows = []
+  for n, (i, line) in enumerate(lines, 1):
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if n < len(lines):
+        raise ValueError(f"{path}:{i} is not a JSON row ({e}): {line[:80]!r}") from None
+      logging.warning("%s: dropping the torn last line %d (%r)", path, i, line[:80])
+  return rows
 
 
 class ProgressBar:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import optax
 
+from train.errors import UsageError
+
 
 def schedule(optim_config, steps: int) -> optax.Schedule:
   c = optim_config
@@ -28,15 +30,15 @@ def make_optimizer(optim_config, steps: int) -> optax.GradientTransformation:
 
 
 def check_optim_config(c) -> None:
-  """ValueError naming the first bad field of config.optim."""
+  """UsageError naming the first bad field of config.optim."""
   for name in ("lr", "clip_norm"):
     if not c[name] > 0:
-      raise ValueError(f"config.optim.{name} must be > 0, got {c[name]!r}")
+      raise UsageError(f"config.optim.{name} must be > 0, got {c[name]!r}")
   for name in ("weight_decay", "min_lr_ratio"):
     if not c[name] >= 0:
-      raise ValueError(f"config.optim.{name} must be >= 0, got {c[name]!r}")
+      raise UsageError(f"config.optim.{name} must be >= 0, got {c[name]!r}")
   for name in ("b1", "b2"):
     if not 0 <= c[name] < 1:
-      raise ValueError(f"config.optim.{name} must be in [0, 1), got {c[name]!r}")
+      raise UsageError(f"config.optim.{name} must be in [0, 1), got {c[name]!r}")
   if not isinstance(c.warmup_steps, int) or c.warmup_steps < 0:
-    raise ValueError(f"config.optim.warmup_steps must be an int >= 0, got {c.warmup_steps!r}")
+    raise UsageError(f"config.optim.warmup_steps must be an int >= 0, got {c.warmup_steps!r}")

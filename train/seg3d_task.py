@@ -23,6 +23,7 @@ from models.seg3d import Pack3DSegmenter
 from models.unet3d import UNet3D, param_count, unet3d_matching
 from train import trainer
 from train.data import volumes
+from train.errors import UsageError
 
 KINDS = ("pack3d", "unet3d")
 
@@ -60,10 +61,10 @@ def _pack3d(config, dtype):
 
 
 def make_model(config) -> nnx.Module:
-  """The model config.model.kind; ValueError naming config.model if it cannot be built."""
+  """The model config.model.kind; UsageError naming config.model if it cannot be built."""
   kind = config.model.kind
   if kind not in KINDS:
-    raise ValueError(f"config.model.kind must be one of {KINDS}, got {kind!r}")
+    raise UsageError(f"config.model.kind must be one of {KINDS}, got {kind!r}")
   dtype = trainer.compute_dtype(config)
   try:
     if kind == "pack3d":
@@ -75,7 +76,7 @@ def make_model(config) -> nnx.Module:
                   levels=config.model.unet.levels, dtype=dtype,
                   rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")))
   except (ValueError, TypeError, ImportError) as e:
-    raise ValueError(f"config.model is invalid: {e}") from e
+    raise UsageError(f"config.model is invalid: {e}") from e
 
 
 def dense_shape(shapes, levels: int) -> tuple[int, ...]:
@@ -90,7 +91,7 @@ def build_task(config) -> trainer.Task:
   try:
     volumes.check_shapes(shapes, d.patch, d.num_tokens, d.fields_per_item)
   except ValueError as e:
-    raise ValueError(f"config.data is invalid: {e}") from e
+    raise UsageError(f"config.data is invalid: {e}") from e
   model = make_model(config)
   fields = functools.partial(volumes.sample_fields, seed=config.seed,
                              count=config.batch_size * d.fields_per_item, shapes=shapes)
@@ -114,6 +115,8 @@ def build_task(config) -> trainer.Task:
 def train_and_evaluate(config, workdir: str) -> trainer.FitResult:
   trainer.check_config(config)
   result = trainer.fit(config, workdir, build_task(config))
+  if result.stopped:          # fit said which step is saved and how to resume
+    return result
   print(f"final train loss {result.final_loss}, eval loss {result.eval_loss}; "
         f"outputs in {result.workdir.absolute()}: checkpoints/, metrics.jsonl (eval_dice), tb/, "
         "loss.png")

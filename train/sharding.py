@@ -15,21 +15,23 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.partitioning import BATCH_AXES, MESH_AXES, param_logical_axes, spec_for
+from train.errors import UsageError
 
 
 def mesh_shape(mesh_config, num_devices: int) -> tuple[int, ...]:
-  """Axis sizes for MESH_AXES with -1 filled in; ValueError naming the config field otherwise."""
+  """Axis sizes for MESH_AXES with -1 filled in; UsageError naming the config field otherwise."""
   sizes = [mesh_config[a] for a in MESH_AXES]
   for axis, size in zip(MESH_AXES, sizes):
     if not isinstance(size, int) or (size < 1 and size != -1):
-      raise ValueError(f"config.mesh.{axis} must be a positive int or -1, got {size!r}")
+      raise UsageError(f"config.mesh.{axis} must be a positive int or -1, got {size!r}")
   if sizes.count(-1) > 1:
-    raise ValueError(f"config.mesh: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+    raise UsageError(f"config.mesh: at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
   known = math.prod(s for s in sizes if s != -1)
   if num_devices % known:
     field = next((a for a, s in zip(MESH_AXES, sizes) if s != 1 and s != -1), MESH_AXES[0])
-    raise ValueError(f"config.mesh.{field}: mesh {dict(zip(MESH_AXES, sizes))} (product {known}) "
-                     f"does not divide the {num_devices} devices")
+    raise UsageError(f"config.mesh.{field}: mesh {dict(zip(MESH_AXES, sizes))} (product {known}) "
+                     f"does not divide the {num_devices} devices; expected axis sizes whose "
+                     f"product divides {num_devices} (-1 on one axis fills the rest)")
   return tuple(num_devices // known if s == -1 else s for s in sizes)
 
 

@@ -7,11 +7,18 @@ A `Task` says what to train: a freshly initialised model, a loss, and batches as
   state', metrics = train_step(state, batch)  jitted, state donated; AdamW + clipping (train/optim)
   every config.eval_every steps: mean loss over config.eval_batches evaluation batches
   every config.checkpoint_every steps (and at the end): orbax checkpoint, newest few kept
-  start: resume from the newest checkpoint in workdir/checkpoints, if any
+  start: resume from the newest checkpoint in workdir/checkpoints that restores, if any
 
 `step` is also the data position (batch = task.train_batch(step)), so a stopped and resumed run
-reproduces the uninterrupted run's losses exactly. A non-finite loss raises NonFiniteLossError
-naming the step; nothing after the last good checkpoint is saved.
+reproduces the uninterrupted run's losses exactly.
+
+Crash safety (every checkpoint on disk is complete and finite):
+- a non-finite loss or gradient norm raises NonFiniteLossError naming the step, before anything
+  from that step is saved; a non-finite state at a save raises NonFiniteStateError instead;
+- SIGTERM or SIGINT saves the current step once and returns normally (FitResult.stopped names
+  the signal); a save in flight is finished first, so the rerun resumes from the newest step;
+- a damaged newest checkpoint is set aside and the next older one restored (train.checkpoints);
+  checkpoints of another model raise a UsageError saying what differs.
 """
 
 from __future__ import annotations
@@ -20,6 +27,10 @@ import dataclasses
 import json
 import math
 import pathlib
+import signal
+import sys
+import tempfile
+import threading
 from typing import Callable
 
 import jax
@@ -32,13 +43,14 @@ from jax.sharding import PartitionSpec as P
 
 from train import metrics as metrics_lib
 from train import optim, sharding
-from train.checkpoints import Checkpoints
+from train.checkpoints import Checkpoints, DifferentModelError
+from train.errors import TrainingError, UsageError
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-class NonFiniteLossError(RuntimeError):
-  """The training loss became NaN or infinite."""
+class NonFiniteLossError(TrainingError):
+  """The training loss or gradient norm became NaN or infinite."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +78,7 @@ class FitResult:
   eval_loss: float | None
   steps_per_s: float
   workdir: pathlib.Path
+  stopped: str | None = None  # the signal (SIGTERM, SIGINT) that stopped the run early, if any
 
 
 def resolve_impl(impl: str) -> str:
@@ -80,21 +93,82 @@ def compute_dtype(config):
 
 
 def check_config(config) -> None:
-  """ValueError naming the first bad generic field (mesh, batch, intervals, optimizer, dtype)."""
+  """UsageError naming the first bad generic field (mesh, batch, intervals, optimizer, dtype)."""
   for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches",
                "checkpoint_every", "keep_checkpoints"):
     value = config[name]
     if not isinstance(value, int) or value < 1:
-      raise ValueError(f"config.{name} must be a positive int, got {value!r}")
+      raise UsageError(f"config.{name} must be a positive int, got {value!r}")
   if config.compute_dtype not in COMPUTE_DTYPES:
-    raise ValueError(f"config.compute_dtype must be one of {tuple(COMPUTE_DTYPES)}, "
+    raise UsageError(f"config.compute_dtype must be one of {tuple(COMPUTE_DTYPES)}, "
                      f"got {config.compute_dtype!r}")
   shape = dict(zip(sharding.MESH_AXES, sharding.mesh_shape(config.mesh, jax.device_count())))
   divisor = math.prod(shape[a] for a in sharding.BATCH_AXES)
   if config.batch_size % divisor:
-    raise ValueError(f"config.batch_size ({config.batch_size}) must be divisible by "
+    raise UsageError(f"config.batch_size ({config.batch_size}) must be divisible by "
                      f"config.mesh.data * config.mesh.fsdp = {divisor}")
   optim.check_optim_config(config.optim)
+
+
+def prepare_workdir(workdir: str | pathlib.Path) -> pathlib.Path:
+  """Creates `workdir` if needed and proves it writable; UsageError at once otherwise."""
+  path = pathlib.Path(workdir)
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    tempfile.TemporaryFile(dir=path).close()
+  except OSError as e:
+    raise UsageError(f"--workdir={workdir}: cannot create or write to it ({e.strerror or e}); "
+                     "expected a writable directory") from None
+  return path
+
+
+def _model_change(workdir: pathlib.Path, config) -> str:
+  """The config.model fields that differ from workdir/config.json, in words ("" if unknown)."""
+  try:
+    saved = json.loads((workdir / "config.json").read_text())["model"]
+  except (OSError, ValueError, KeyError):
+    return ""
+  now = json.loads(config.to_json())["model"]
+
+  def flat(d, prefix="config.model"):
+    out = {}
+    for k, v in d.items():
+      out.update(flat(v, f"{prefix}.{k}") if isinstance(v, dict) else {f"{prefix}.{k}": v})
+    return out
+
+  saved, now = flat(saved), flat(now)
+  return ", ".join(f"{k} was {saved.get(k)!r}, now {now.get(k)!r}"
+                   for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k))
+
+
+class _StopSignals:
+  """While active, SIGTERM and SIGINT set `name` (the loop then saves and stops) instead of
+  ending the process. A second signal restores the previous handlers and is raised again, so it
+  ends the process at once. Inactive off the main thread (Python installs handlers only there).
+  """
+
+  def __init__(self):
+    self.name, self._previous = None, {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+    return self
+
+  def __exit__(self, *exc_info):
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    self._previous = {}
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.name is not None:
+      self.__exit__()
+      signal.raise_signal(signum)
+      return
+    self.name = signal.Signals(signum).name
+    sys.stderr.write(f"\n{self.name}: saving the current step, then stopping "
+                     "(send it again to stop at once, without saving)\n")
 
 
 def _init_state(task: Task, tx, mesh):
@@ -115,10 +189,10 @@ def _with_loss(loss_and_aux):
 
 
 def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
-  """Train `task` for config.steps steps (resuming from workdir's newest checkpoint)."""
+  """Train `task` for config.steps steps, resuming from workdir's newest checkpoint that
+  restores; returns early, after saving, on SIGTERM/SIGINT (see the module docstring)."""
   check_config(config)
-  workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  workdir = prepare_workdir(workdir)
   mesh = sharding.make_mesh(config.mesh)
   tx = optim.make_optimizer(config.optim, config.steps)
   lr = optim.schedule(config.optim, config.steps)
@@ -141,8 +215,15 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
     eval_fn = jax.jit(lambda params, batch: _with_loss(task.loss_fn(model_of(params), batch)))
 
     checkpoints = Checkpoints(workdir / "checkpoints", every=config.checkpoint_every,
-                              keep=config.keep_checkpoints)
-    restored = checkpoints.restore_latest(state)
+                              keep=config.keep_checkpoints, last=config.steps)
+    try:
+      restored = checkpoints.restore_latest(state)
+    except DifferentModelError as e:
+      checkpoints.close()
+      change = _model_change(workdir, config)
+      raise UsageError(
+          f"{checkpoints.directory} holds checkpoints of a different model "
+          f"({change or e}): use a new --workdir, or the config that wrote them") from None
     if restored is not None:
       state = restored
     start = int(state["step"])
@@ -151,14 +232,16 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
     writer = metrics_lib.MetricWriter(workdir, resume_step=start)
     bar = metrics_lib.ProgressBar(config.steps, task.tokens_per_batch)
     if start:
-      print(f"Resuming from the checkpoint at step {start} in {checkpoints.manager.directory}")
+      print(f"Resuming from the checkpoint at step {start} in {checkpoints.directory}")
 
     def record(step, step_metrics):
       values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-      if not math.isfinite(values["loss"]):
-        raise NonFiniteLossError(
-            f"loss is {values['loss']} at step {step}: stopping. The newest good checkpoint is "
-            f"step {checkpoints.latest_step()} in {checkpoints.manager.directory}")
+      # checked here, one step behind, and always before the next save: nothing computed from a
+      # non-finite loss or gradient reaches a checkpoint
+      for name in ("loss", "grad_norm"):
+        if not math.isfinite(values[name]):
+          raise NonFiniteLossError(f"{name} is {values[name]} at step {step} (loss "
+                                   f"{values['loss']:.4g}): stopping; {checkpoints.newest_note()}")
       bar.update(step, values["loss"])
       if step % config.log_every == 0 or step + 1 == config.steps:
         writer.write(step, {**values, "steps_per_s": bar.rate,
@@ -171,29 +254,40 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
                              for i in range(config.eval_batches)])
       return {f"eval_{k}": float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
-    pending, loss, eval_loss = None, None, None
-    try:
-      for step in range(start, config.steps):
-        state, step_metrics = train_step(state, sharding.put_batch(task.train_batch(step), mesh))
-        if pending is not None:
-          loss = record(*pending)        # one step behind: the host check overlaps the next step
-        pending = (step, step_metrics)
-        done = step + 1
-        if done % config.eval_every == 0 or checkpoints.due(done, config.steps):
-          loss, pending = record(*pending), None
-          if done % config.eval_every == 0 or done == config.steps:
-            eval_metrics = evaluate(state["params"])
-            eval_loss = eval_metrics["eval_loss"]
-            writer.write(step, eval_metrics)
-          if checkpoints.due(done, config.steps):
-            checkpoints.save(done, state)
-    finally:
-      bar.close()
-      checkpoints.close()
-      writer.close()
+    pending, loss, eval_loss, done = None, None, None, start
+    with _StopSignals() as stop:
+      try:
+        for step in range(start, config.steps):
+          state, step_metrics = train_step(state, sharding.put_batch(task.train_batch(step), mesh))
+          if pending is not None:
+            loss = record(*pending)        # one step behind: the host check overlaps the next step
+          pending = (step, step_metrics)
+          done = step + 1
+          save = checkpoints.due(done) or stop.name is not None
+          if done % config.eval_every == 0 or save:
+            loss, pending = record(*pending), None
+            if done % config.eval_every == 0 or done == config.steps:
+              eval_metrics = evaluate(state["params"])
+              eval_loss = eval_metrics["eval_loss"]
+              writer.write(step, eval_metrics)
+            if save:
+              checkpoints.save(done, state)
+          if stop.name is not None:
+            break
+      finally:
+        bar.close()
+        checkpoints.close()              # waits for a save in flight
+        writer.close()
     summary = {"final_loss": loss, "eval_loss": eval_loss, "steps_per_s": bar.rate}
+    stopped = stop.name if done < config.steps else None
+    if stopped:
+      print(f"{stopped}: stopped after {done} of {config.steps} steps; checkpoint "
+            f"{checkpoints.latest_step()} is saved in {checkpoints.directory}; rerun the same "
+            "command to resume")
     if jax.process_index() == 0:
       if writer.path.exists():
         metrics_lib.plot_losses(writer.path, workdir / "loss.png")
-      (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return FitResult(model=model_of(state["params"]), workdir=workdir, **summary)
+      if not stopped:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return FitResult(model=model_of(state["params"]), workdir=workdir, stopped=stopped,
+                     **summary)

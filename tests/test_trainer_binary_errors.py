@@ -1,0 +1,110 @@
+"""Bad command lines for the training binaries, as a table: each must end with exit status 2 and
+one line `error: ...` naming the flag or config field, the value given and what was expected,
+with no traceback (issue 11, item 5). The cases run through tests/binary_cases.py: the real
+binaries' __main__, forked from one process that imported them once (a few seconds in all)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.binaries import REPO
+
+LM, SEG = ("train.train_lm", "configs/lm_smoke.py"), ("train.train_seg3d", "configs/seg3d_smoke.py")
+CORPUS = REPO / "README.md"
+# (id, binary, flags, what the one line must contain)
+CASES = [
+    ("unknown_field", LM, ["--config.modle.d_model=8"],
+     ["--config.modle.d_model", "no field config.modle", "'model'"]),
+    ("unknown_nested_field", LM, ["--config.model.dmodel=8"],
+     ["--config.model.dmodel", "no field config.model.dmodel", "'d_model'"]),
+    ("field_below_a_value", LM, ["--config.steps.max=8"], ["--config.steps.max", "config.steps"]),
+    ("not_an_int", LM, ["--config.steps=ten"], ["--config.steps=ten", "int"]),
+    ("not_a_float", LM, ["--config.optim.lr=fast"], ["--config.optim.lr=fast", "float"]),
+    ("zero_steps", LM, ["--config.steps=0"], ["config.steps must be a positive int, got 0"]),
+    ("negative_log_every", LM, ["--config.log_every=-1"], ["config.log_every", "got -1"]),
+    ("zero_keep_checkpoints", LM, ["--config.keep_checkpoints=0"],
+     ["config.keep_checkpoints must be a positive int, got 0"]),
+    ("negative_lr", LM, ["--config.optim.lr=-1"], ["config.optim.lr must be > 0, got -1"]),
+    ("b2_out_of_range", LM, ["--config.optim.b2=1.5"], ["config.optim.b2", "[0, 1)", "1.5"]),
+    ("bad_dtype", LM, ["--config.compute_dtype=float8"],
+     ["config.compute_dtype must be one of", "'float8'"]),
+    ("mesh_over_device_count", LM, ["--config.mesh.data=3"],
+     ["config.mesh.data", "'data': 3", "does not divide the 1 devices"]),
+    ("mesh_two_fill_axes", LM, ["--config.mesh.fsdp=-1"], ["at most one axis may be -1"]),
+    ("mesh_zero", LM, ["--config.mesh.tensor=0"], ["config.mesh.tensor", "positive int or -1", "0"]),
+    ("missing_data_file", LM, ["--config.data.path=/nonexistent/corpus.txt"],
+     ["config.data.path='/nonexistent/corpus.txt'", "not a file", "expected a readable text file"]),
+    ("data_path_is_a_directory", LM, ["--config.data.path=/tmp"],
+     ["config.data.path='/tmp'", "not a file"]),
+    ("corpus_too_short", LM, [f"--config.data.path={CORPUS}", "--config.data.max_bytes=20"],
+     ["config.data.path=", "config.data.max_bytes=20", "cannot hold a window"]),
+    ("unknown_data_kind", LM, ["--config.data.kind=images"],
+     ["config.data.kind must be one of", "'images'"]),
+    ("unknown_mixer", LM, ["--config.model.mixer=lstm"], ["config.model is invalid", "lstm"]),
+    ("sample_past_context", LM, ["--config.sample.num_tokens=100"],
+     ["config.sample.num_tokens", "100", "config.model.context = 32"]),
+    ("missing_config_file", LM, None, ["--config", "configs/nope.py"]),
+    ("missing_workdir_flag", LM, "no workdir", ["--workdir"]),
+    ("unwritable_workdir", LM, "workdir=/proc/not_here",
+     ["--workdir=/proc/not_here", "expected a writable directory"]),
+    ("workdir_is_a_file", LM, f"workdir={CORPUS}", [f"--workdir={CORPUS}", "writable directory"]),
+    ("stray_argument", LM, ["stray"], ["unexpected arguments ['stray']", "--name=value"]),
+    ("processes_without_coordinator", LM, ["--num_processes=2"],
+     ["--num_processes/--process_id need --coordinator_address=HOST:PORT"]),
+    ("process_id_out_of_range", LM,
+     ["--coordinator_address=localhost:1234", "--num_processes=2", "--process_id=2"],
+     ["--process_id=2", "[0, 2)"]),
+    ("coordinator_without_port", LM,
+     ["--coordinator_address=localhost", "--num_processes=1", "--process_id=0"],
+     ["--coordinator_address=localhost", "HOST:PORT"]),
+    ("num_processes_not_an_int", LM, ["--num_processes=two"], ["--num_processes=two", "int"]),
+    ("seg3d_unknown_model_kind", SEG, ["--config.model.kind=vit"],
+     ["config.model.kind must be one of", "'vit'"]),
+    ("seg3d_patch_not_dividing_fields", SEG, ["--config.data.patch=(3, 3, 3)"],
+     ["config.data is invalid", "(3, 3, 3)"]),
+    ("seg3d_unknown_field", SEG, ["--config.data.shape=(8, 8, 8)"],
+     ["--config.data.shape", "no field config.data.shape", "'shapes'"]),
+]
+
+
+def argv(binary, flags, workdir):
+  module, config = binary
+  if flags is None:
+    return module, ["--config=configs/nope.py", f"--workdir={workdir}"]
+  if flags == "no workdir":
+    return module, [f"--config={config}"]
+  if isinstance(flags, str):                        # "workdir=PATH"
+    return module, [f"--config={config}", f"--{flags}"]
+  return module, [f"--config={config}", f"--workdir={workdir}", *flags]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  """{case id: {"status", "output", "seconds"}}, all cases in one driver process."""
+  workdir = tmp_path_factory.mktemp("workdir")
+  cases = [dict(zip(("module", "argv"), argv(binary, flags, workdir / name)))
+           for name, binary, flags, _ in CASES]
+  out = subprocess.run([sys.executable, "-m", "tests.binary_cases"], input=json.dumps(cases),
+                       cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+  assert out.returncode == 0, out.stderr[-3000:]
+  return dict(zip((c[0] for c in CASES), json.loads(out.stdout)))
+
+
+@pytest.mark.parametrize("name, expected", [(c[0], c[3]) for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_line(results, name, expected):
+  result = results[name]
+  lines = [l for l in result["output"].splitlines() if l.strip()]
+  error_lines = [l for l in lines if l.startswith("error: ")]
+  assert result["status"] == 2, result["output"][-3000:]
+  assert "Traceback" not in result["output"] and len(error_lines) == 1, result["output"][-3000:]
+  for text in expected:
+    assert text in error_lines[0], error_lines[0]
+
+
+def test_an_unwritable_workdir_fails_before_anything_slow(results):
+  """It used to fail only after building and compiling the model (~15 s)."""
+  assert results["unwritable_workdir"]["seconds"] < 3.0
