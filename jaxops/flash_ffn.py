@@ -23,17 +23,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxops import checks
+
 _F32 = jnp.float32
 
 
 def check_mhffn_inputs(q, r, k, u, v) -> None:
-  """Raises ValueError naming the argument when shapes or dtypes do not fit."""
-  for name, x, rank in (("q", q, 4), ("r", r, 4), ("k", k, 4), ("u", u, 4), ("v", v, 4)):
-    if x.ndim != rank:
+  """Raises (see `jaxops.checks`) naming the argument when shapes, dtypes or values do not fit.
+
+  r must hold normalized router weights (>= 0, summing to 1 over E): checked when concrete,
+  a `checkify.debug_check` under jit.
+  """
+  for name, x in (("q", q), ("r", r), ("k", k), ("u", u), ("v", v)):
+    if x.ndim != 4:
       raise ValueError(
-          f"mhffn: `{name}` must have rank {rank}, got shape {tuple(x.shape)}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise ValueError(f"mhffn: `{name}` must be floating point, got {x.dtype}")
+          f"mhffn: `{name}` must have rank 4, got shape {tuple(x.shape)}")
+    checks.floating("mhffn", name, x)
+  checks.nonempty("mhffn", "q", q, "[B, L, H, d_h]")
+  checks.nonempty("mhffn", "k", k, "[H, E, d_e, d_h]")
   batch, length, heads, d_h = q.shape
   h_k, experts, d_e, d_hk = k.shape
   if h_k != heads or d_hk != d_h:
@@ -51,6 +58,10 @@ def check_mhffn_inputs(q, r, k, u, v) -> None:
   if d_h % 8 or d_e % 8:
     raise ValueError(
         f"mhffn: d_h ({d_h}, from `q`) and d_e ({d_e}, from `k`) must be multiples of 8")
+  # Rounding r to its dtype moves each weight by <= eps/2 of itself, the sum by <= eps/2.
+  tol = max(1e-4, 4 * float(jnp.finfo(r.dtype).eps))
+  checks.values("mhffn", "r", r, lambda w: (w >= 0) & (abs(w.sum(-1, keepdims=True) - 1) <= tol),
+                "hold normalized router weights (>= 0, summing to 1 over E)")
 
 
 def mhffn_reference(q, r, k, u, v):
@@ -92,8 +103,7 @@ def mhffn(q, r, k, u, v, *, chunk: int = 512):
   memory is O(chunk * H * d_ff) rather than O(L * H * d_ff). Any L (padded inside).
   """
   check_mhffn_inputs(q, r, k, u, v)
-  if chunk <= 0:
-    raise ValueError(f"mhffn: `chunk` must be positive, got {chunk}")
+  checks.ints("mhffn", {"chunk": chunk})
   batch, length = q.shape[:2]
   chunk = min(chunk, length)
   num_chunks = -(-length // chunk)
@@ -110,6 +120,15 @@ def mhffn(q, r, k, u, v, *, chunk: int = 512):
 
 
 def swiglu(x, w_gate, w_up, w_down):
-  """The SwiGLU baseline: (silu(x W_gate) * (x W_up)) W_down, x [..., d], W_gate/W_up [d, d_ff]."""
+  """The SwiGLU baseline: (silu(x W_gate) * (x W_up)) W_down.
+
+  x [..., d], w_gate and w_up [d, d_ff], w_down [d_ff, d] -> [..., d].
+  """
+  checks.shape("swiglu", "w_gate", w_gate, (None, None), "[d, d_ff]")
+  d, d_ff = w_gate.shape
+  checks.shape("swiglu", "w_up", w_up, (d, d_ff), f"[d={d}, d_ff={d_ff}] like w_gate")
+  checks.shape("swiglu", "w_down", w_down, (d_ff, d), f"[d_ff={d_ff}, d={d}]")
+  if x.ndim < 1 or x.shape[-1] != d:
+    raise ValueError(f"swiglu: `x` must be [..., d={d}], got shape {tuple(x.shape)}")
   h = jax.nn.silu(x @ w_gate) * (x @ w_up)
   return h @ w_down

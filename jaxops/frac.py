@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxops import checks
 from jaxops.frac_chunk import Modes, TilePlan, chunk_backward, chunk_forward
 
 _F32 = jnp.float32
@@ -47,14 +48,6 @@ S_LOW, S_HIGH = 0.03, 4.0
 # ----------------------------------------------------------------------------
 # Modes.
 # ----------------------------------------------------------------------------
-
-def _concrete(x):
-  """x as a numpy array, or None when it is traced (checks only run on concrete values)."""
-  try:
-    return np.asarray(x)
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    return None
-
 
 def default_num_modes(context: int) -> int:
   """Modes for step h <= 1 over [S_LOW/context, S_HIGH]: ceil(ln(S_HIGH context/S_LOW)) + 2.
@@ -92,19 +85,14 @@ def soe_modes(alpha, *, num_modes: int | None = None, context: int, kernel: str 
   Returns:
     (rates, weights), both [..., M] float32, rates ascending (the tail mode first).
   """
-  if kernel not in ("power", "mittag_leffler"):
-    raise ValueError(f"soe_modes: `kernel` must be 'power' or 'mittag_leffler', got {kernel!r}")
-  if context < 1:
-    raise ValueError(f"soe_modes: `context` must be >= 1, got {context}")
+  checks.one_of("soe_modes", "kernel", kernel, ("power", "mittag_leffler"))
+  checks.ints("soe_modes", {"context": context})
   num_modes = default_num_modes(context) if num_modes is None else num_modes
-  if num_modes < 3:
-    raise ValueError(f"soe_modes: `num_modes` must be >= 3 (grid plus tail), got {num_modes}")
-  value = _concrete(alpha)
+  checks.ints("soe_modes", {"num_modes": num_modes}, minimum=3)
   upper = 1.0 if kernel == "power" else 1.0 - 1e-6
-  if value is not None and not np.all((value > 0) & (value <= upper)):
-    raise ValueError(
-        f"soe_modes: `alpha` (shape {np.shape(value)}) must lie in (0, 1]"
-        f"{'' if kernel == 'power' else ' and below 1 for mittag_leffler'}, got {value}")
+  checks.values("soe_modes", "alpha", alpha,
+                lambda a: (a > 0) & (a <= upper),
+                "lie in (0, 1]" + ("" if kernel == "power" else " and below 1 for mittag_leffler"))
   alpha = jnp.asarray(alpha, _F32)[..., None]
   grid = num_modes - 1
   s_min = S_LOW / context
@@ -136,13 +124,19 @@ def soe_kernel(rates, weights, u):
 # ----------------------------------------------------------------------------
 
 def check_scan_inputs(x, dt, b, c, rates, weights, initial_state=None, *, name="frac_scan"):
-  """Raises ValueError naming the argument when shapes, dtypes or values do not fit."""
+  """Raises (see `jaxops.checks`) naming the argument when shapes, dtypes or values do not fit.
+
+  dt must be > 0, rates >= 0, weights finite: checked when concrete, `checkify.debug_check`s
+  under jit.
+  """
   for arg, a, rank in (("x", x, 4), ("dt", dt, 3), ("b", b, 4), ("c", c, 4),
                        ("rates", rates, 2), ("weights", weights, 2)):
     if a.ndim != rank:
       raise ValueError(f"{name}: `{arg}` must have rank {rank}, got shape {tuple(a.shape)}")
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-      raise ValueError(f"{name}: `{arg}` must be floating point, got {a.dtype}")
+    checks.floating(name, arg, a)
+  checks.nonempty(name, "x", x, "[Bt, L, H, P]")
+  checks.nonempty(name, "b", b, "[Bt, L, H, N]")
+  checks.nonempty(name, "rates", rates, "[H, M]")
   batch, length, heads, _ = x.shape
   if dt.shape != (batch, length, heads):
     raise ValueError(f"{name}: `dt` has shape {tuple(dt.shape)}; expected [Bt, L, H] ="
@@ -162,13 +156,10 @@ def check_scan_inputs(x, dt, b, c, rates, weights, initial_state=None, *, name="
   if initial_state is not None and initial_state.shape != expected:
     raise ValueError(f"{name}: `initial_state` has shape {tuple(initial_state.shape)};"
                      f" expected [Bt, H, M, N, P] = {expected}")
-  dt_value, rates_value = _concrete(dt), _concrete(rates)
-  if dt_value is not None and not np.all(dt_value > 0):
-    raise ValueError(f"{name}: `dt` (shape {tuple(dt.shape)}) must be > 0 everywhere;"
-                     f" its minimum is {dt_value.min()}")
-  if rates_value is not None and not np.all(rates_value >= 0):
-    raise ValueError(f"{name}: `rates` (shape {tuple(rates.shape)}) must be >= 0;"
-                     f" its minimum is {rates_value.min()}")
+  # dt <= 0 turns the decays exp(-rate dt) into growth (1e11-sized outputs).
+  checks.values(name, "dt", dt, lambda v: (v > 0) & checks.finite(v), "be > 0 and finite")
+  checks.values(name, "rates", rates, lambda v: (v >= 0) & checks.finite(v), "be >= 0 and finite")
+  checks.values(name, "weights", weights, checks.finite, "be finite")
 
 
 def zero_state(x, b, rates):
@@ -191,6 +182,17 @@ def frac_step(state, x_t, dt_t, b_t, c_t, rates, weights):
   Returns:
     (y_t [Bt, H, P] in x_t.dtype, state float32).
   """
+  for arg, a, rank in (("state", state, 5), ("x_t", x_t, 3), ("dt_t", dt_t, 2), ("b_t", b_t, 3),
+                       ("c_t", c_t, 3)):
+    if a.ndim != rank:
+      raise ValueError(f"frac_step: `{arg}` must have rank {rank}, got shape {tuple(a.shape)}")
+  # The step is a scan of length 1: the same checks (they name x, dt, b, c for x_t, ...).
+  check_scan_inputs(x_t[:, None], dt_t[:, None], b_t[:, None], c_t[:, None], rates, weights,
+                    state, name="frac_step")
+  return _step(state, x_t, dt_t, b_t, c_t, rates, weights)
+
+
+def _step(state, x_t, dt_t, b_t, c_t, rates, weights):
   x32, dt32, b32, c32 = (a.astype(_F32) for a in (x_t, dt_t, b_t, c_t))
   decay = jnp.exp(-rates.astype(_F32) * dt32[..., None])                  # [Bt, H, M]
   update = jnp.einsum("bh,bhn,bhp->bhnp", dt32, b32, x32)
@@ -209,7 +211,7 @@ def frac_scan_reference(x, dt, b, c, rates, weights, initial_state=None):
   state = zero_state(x, b, rates) if initial_state is None else initial_state.astype(_F32)
 
   def step(state, inputs):
-    y_t, state = frac_step(state, *inputs, rates, weights)
+    y_t, state = _step(state, *inputs, rates, weights)
     return state, y_t
 
   time_major = lambda a: jnp.moveaxis(a.astype(_F32), 1, 0)
@@ -317,8 +319,7 @@ def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int = 6
   recomputing inside each chunk (custom VJP, the kernel's tile math). Any L.
   """
   check_scan_inputs(x, dt, b, c, rates, weights, initial_state)
-  if chunk <= 0:
-    raise ValueError(f"frac_scan: `chunk` must be positive, got {chunk}")
+  checks.ints("frac_scan", {"chunk": chunk})
   state = zero_state(x, b, rates) if initial_state is None else initial_state.astype(_F32)
   plan = TilePlan.make(x, b, rates, chunk=chunk)
   scan = scan_vjp(plan, functools.partial(_scan_chunks, plan),

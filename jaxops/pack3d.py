@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxops import checks
 from jaxops.rope import axial_rope_3d_float
 
 _F32 = jnp.float32
@@ -57,18 +58,17 @@ MASK = -1e30  # finite "minus infinity": fully masked rows stay finite (and are 
 
 # ----------------------------------------------------------------------------- checks
 
-def _is_traced(x) -> bool:
-  return isinstance(x, jax.core.Tracer)
-
-
 def check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks,
                         gates=None) -> None:
-  """Raises ValueError naming the argument when shapes, dtypes or values do not fit."""
+  """Raises (see `jaxops.checks`) naming the argument when shapes, dtypes or values do not fit.
+
+  Concrete coords must be non-negative and unique within a field; with traced coords an
+  entry that breaks this gets NaN outputs and a nonzero `layout_status` instead."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4:
       raise ValueError(f"pack3d_attention: `{name}` must be [B, N, H, D], got shape {x.shape}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise ValueError(f"pack3d_attention: `{name}` must be floating point, got {x.dtype}")
+    checks.floating("pack3d_attention", name, x)
+  checks.nonempty("pack3d_attention", "q", q, "[B, N, H, D]")
   for name, x in (("k", k), ("v", v)):
     if x.shape != q.shape:
       raise ValueError(f"pack3d_attention: `{name}` has shape {x.shape}; expected the shape"
@@ -81,16 +81,13 @@ def check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks,
     raise ValueError(f"pack3d_attention: `field_ids` has shape {field_ids.shape}; expected"
                      f" [B, N] = {(batch, n)} from q {q.shape}")
   for name, x in (("coords", coords), ("field_ids", field_ids)):
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-      raise ValueError(f"pack3d_attention: `{name}` must be integer, got {x.dtype}")
-  if len(block_shape) != 3 or min(block_shape) < 1:
-    raise ValueError(f"pack3d_attention: `block_shape` must be 3 positive ints, got {block_shape}")
-  if radius_blocks < 0:
-    raise ValueError(f"pack3d_attention: `radius_blocks` must be >= 0, got {radius_blocks}")
+    checks.integer("pack3d_attention", name, x)
+  checks.zyx("pack3d_attention", "block_shape", block_shape)
+  checks.ints("pack3d_attention", {"radius_blocks": radius_blocks}, minimum=0)
   if gates is not None and gates.shape != q.shape[:3] + (2,):
     raise ValueError(f"pack3d_attention: `gates` has shape {gates.shape}; expected [B, N, H, 2]"
                      f" = {q.shape[:3] + (2,)}")
-  if not _is_traced(coords) and not _is_traced(field_ids):
+  if not checks.is_traced(coords) and not checks.is_traced(field_ids):
     _check_values(np.asarray(coords), np.asarray(field_ids))
 
 
@@ -296,6 +293,7 @@ def cube_layout(coords, field_ids, *, block_shape=(4, 4, 4), radius_blocks: int 
   it; `layout_status` reports it to the caller) since a compiled program cannot raise.
   `slots_per_cube` >= prod(block_shape) pads each cube (kernels want aligned slabs).
   """
+  checks.ints("pack3d_attention", checks.given(max_cubes=max_cubes))
   block_shape = tuple(int(b) for b in block_shape)
   slots = slots_per_cube or math.prod(block_shape)
   if slots < math.prod(block_shape):
@@ -303,7 +301,7 @@ def cube_layout(coords, field_ids, *, block_shape=(4, 4, 4), radius_blocks: int 
                      f" ({math.prod(block_shape)})")
   build = functools.partial(_build_layout, block_shape=block_shape,
                             radius_blocks=radius_blocks, slots=slots)
-  if _is_traced(coords) or _is_traced(field_ids):
+  if checks.is_traced(coords) or checks.is_traced(field_ids):
     num_cubes = max_cubes or default_max_cubes(coords.shape[1], block_shape)
     fields = build(coords, field_ids, num_cubes=num_cubes)
   else:
@@ -454,8 +452,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     o [B, N, H, D] in q.dtype (matmuls in the input dtype, float32 accumulation).
   """
   check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks, gates)
-  if chunk <= 0:
-    raise ValueError(f"pack3d_attention: `chunk` must be positive, got {chunk}")
+  checks.ints("pack3d_attention", {"chunk": chunk})
   layout = cube_layout(coords, field_ids, block_shape=block_shape, radius_blocks=radius_blocks,
                        max_cubes=max_cubes)
   q_c, k_c, v_c = (layout.to_cubes(x) for x in (q, k, v))

@@ -28,6 +28,8 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jaxops import checks
+
 LAYOUTS = ("raster_zyx", "raster_xyz", "morton", "hilbert", "cube_major", "shuffled_fields")
 
 
@@ -43,9 +45,9 @@ def patchify(volume, patch: Sequence[int]):
   Each token holds its patch flattened in (pz, py, px, C) order. Z, Y, X must be
   multiples of the patch size (pad the volume first otherwise).
   """
-  if volume.ndim < 4 or len(patch) != 3:
-    raise ValueError(f"patchify: `volume` must be [*batch, Z, Y, X, C] and `patch` 3 ints;"
-                     f" got shape {volume.shape} and patch {patch}")
+  checks.zyx("patchify", "patch", patch)
+  if volume.ndim < 4:
+    raise ValueError(f"patchify: `volume` must be [*batch, Z, Y, X, C], got shape {volume.shape}")
   *batch, z, y, x, c = volume.shape
   if z % patch[0] or y % patch[1] or x % patch[2]:
     raise ValueError(f"patchify: `volume` spatial shape {(z, y, x)} is not a multiple of"
@@ -59,6 +61,9 @@ def patchify(volume, patch: Sequence[int]):
 
 def unpatchify(grid, patch: Sequence[int]):
   """Inverse of `patchify`: [*batch, nz, ny, nx, pz*py*px*C] -> [*batch, Z, Y, X, C]."""
+  checks.zyx("unpatchify", "patch", patch)
+  if grid.ndim < 4:
+    raise ValueError(f"unpatchify: `grid` must be [*batch, nz, ny, nx, d], got shape {grid.shape}")
   pz, py, px = patch
   *batch, nz, ny, nx, width = grid.shape
   if width % (pz * py * px):
@@ -185,8 +190,8 @@ def layout_permutation(coords, field_ids, layout: str, *, block_shape=(4, 4, 4),
   if coords.ndim != 2 or coords.shape[1] != 3 or field_ids.shape != coords.shape[:1]:
     raise ValueError(f"layout_permutation: `coords` must be [N, 3] and `field_ids` [N]; got"
                      f" {coords.shape} and {field_ids.shape}")
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout_permutation: `layout` must be one of {LAYOUTS}, got {layout!r}")
+  checks.one_of("layout_permutation", "layout", layout, LAYOUTS)
+  checks.zyx("layout_permutation", "block_shape", block_shape)
   if coords.size and coords.min() < 0:
     raise ValueError("layout_permutation: `coords` must be non-negative")
   field_rank = field_ids

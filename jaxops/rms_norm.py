@@ -16,6 +16,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxops import checks
+
 
 @jax.custom_vjp
 def rms_normalize(x, eps: float = 1e-6):
@@ -80,7 +82,9 @@ def rms_normalize_groups(x, groups: int, eps: float = 1e-6):
 
 
 def _group_forward(x, groups, eps):
+  checks.ints("rms_normalize_groups", {"groups": groups})
   width = x.shape[-1]
+  checks.multiple("rms_normalize_groups", "the last dim of `x`", width, groups, "`groups`")
   ss = _group_sum(x.astype(jnp.float32) * x.astype(jnp.float32), groups)
   rstd = jax.lax.rsqrt(ss / (width // groups) + eps)                    # [..., G]
   return (x.astype(jnp.float32) * _expand(rstd, width)).astype(x.dtype), rstd

@@ -19,8 +19,17 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax.numpy as jnp
+import numpy as np
+
+from jaxops import checks
 
 _F32 = jnp.float32
+
+
+def _check_x_and_theta(owner: str, x, theta) -> None:
+  checks.floating(owner, "x", x)
+  if not theta > 0:
+    raise ValueError(f"{owner}: `theta` must be > 0, got {theta!r}")
 
 
 def rotate(x, angles):
@@ -47,6 +56,7 @@ def rope_1d(x, positions, *, theta: float = 10000.0):
   """
   if x.ndim < 3 or x.shape[-1] % 2:
     raise ValueError(f"rope_1d: `x` must be [..., N, H, D] with D even, got shape {x.shape}")
+  _check_x_and_theta("rope_1d", x, theta)
   if positions.shape != x.shape[:-2]:
     raise ValueError(f"rope_1d: `positions` has shape {positions.shape}; expected"
                      f" {x.shape[:-2]} (the token axes of x {x.shape})")
@@ -82,11 +92,11 @@ def axial_rope_3d(x, coords, *, theta: float = 10000.0,
   if x.ndim < 3 or x.shape[-1] % 6:
     raise ValueError(
         f"axial_rope_3d: `x` must be [..., N, H, D] with D divisible by 6, got shape {x.shape}")
+  _check_x_and_theta("axial_rope_3d", x, theta)
   if coords.shape != x.shape[:-2] + (3,):
     raise ValueError(f"axial_rope_3d: `coords` has shape {coords.shape}; expected"
                      f" {x.shape[:-2] + (3,)} from x {x.shape}")
-  if not jnp.issubdtype(coords.dtype, jnp.integer):
-    raise ValueError(f"axial_rope_3d: `coords` must be integer, got {coords.dtype}")
-  if len(spacing) != 3:
-    raise ValueError(f"axial_rope_3d: `spacing` must have 3 entries, got {spacing}")
+  checks.integer("axial_rope_3d", "coords", coords)
+  if np.shape(spacing) != (3,) or not np.all(np.isfinite(spacing)):
+    raise ValueError(f"axial_rope_3d: `spacing` must be 3 finite numbers, got {spacing!r}")
   return axial_rope_3d_float(x, coords, theta=theta, spacing=spacing)

@@ -14,12 +14,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxops import checks
 from jaxops.rope import rope_1d
 from models.partitioning import constrain
 
 
 class CausalAttention(nnx.Module):
   """Causal MHA with RoPE; `context` is the longest sequence `step` can decode.
+
+  x [B, L, d] -> [B, L, d] (`__call__`); x_t [B, d] -> [B, d] with a KV cache (`step`).
+  No kernel (no `impl`): plain XLA attention, O(L^2).
 
   Args:
     d_model, num_heads: d and H (d % H == 0, d / H even).
@@ -29,11 +33,9 @@ class CausalAttention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, *, context: int, rope_theta: float = 10000.0,
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    if d_model % num_heads or (d_model // num_heads) % 2:
-      raise ValueError(f"CausalAttention: d_model ({d_model}) / num_heads ({num_heads}) must be "
-                       "an even integer")
-    if context < 1:
-      raise ValueError(f"CausalAttention: `context` must be >= 1, got {context}")
+    checks.ints("CausalAttention", dict(d_model=d_model, num_heads=num_heads, context=context))
+    checks.multiple("CausalAttention", "`d_model`", d_model, 2 * num_heads, "2 * `num_heads`"
+                    " (an even head width)")
     d_h = d_model // num_heads
     self.num_heads, self.context, self.theta, self.dtype = num_heads, context, rope_theta, dtype
     init = jax.nn.initializers.normal(d_model ** -0.5)
@@ -60,19 +62,26 @@ class CausalAttention(nnx.Module):
 
   def __call__(self, x):
     """x [B, L, d] -> [B, L, d]."""
+    checks.sequence("CausalAttention", "x", x, self.wo.shape[-1])
     length = x.shape[1]
     q, k, v = self._qkv(x, jnp.arange(length))
     q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
     return self._attend(q, k, v, jnp.tril(jnp.ones((length, length), bool)))
 
   def init_cache(self, batch: int):
+    """{"k", "v": [batch, context, H, D] zeros, "pos": 0}."""
+    checks.ints("CausalAttention.init_cache", {"batch": batch})
     d_h = self.wq.shape[-1]
     zeros = jnp.zeros((batch, self.context, self.num_heads, d_h), self.dtype or jnp.float32)
     return {"k": zeros, "v": zeros, "pos": jnp.zeros((), jnp.int32)}
 
   def step(self, x_t, cache):
     """One token: x_t [B, d] at position cache["pos"] (< context) -> (y_t [B, d], cache)."""
+    d_model = self.wo.shape[-1]
+    checks.shape("CausalAttention.step", "x_t", x_t, (None, d_model), f"[B, d_model={d_model}]")
     pos = cache["pos"]
+    checks.values("CausalAttention.step", "cache['pos']", pos, lambda p: p < self.context,
+                  f"be < context={self.context} (the KV cache is full)")
     q, k, v = self._qkv(x_t[:, None], pos[None])
     k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), pos, 1)
     v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), pos, 1)

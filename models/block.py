@@ -2,8 +2,9 @@
 
 Block:  x = x + mixer(RMSNorm(x), *context);  x = x + ffn(RMSNorm(x)),  x [B, L, d].
 `context` is whatever else the mixer reads (Pack3D: coords, field_ids). Layers that call a
-Pallas kernel run through `partitioning.shard_layer` (batch-split shard_map under a mesh);
-the FFN is token-wise, so it is also split along the sequence over the tensor axis.
+Pallas kernel (their resolved `impl` is "pallas") run through `partitioning.shard_layer`
+(batch-split shard_map under a mesh); the FFN is token-wise, so it is also split along the
+sequence over the tensor axis.
 """
 
 from __future__ import annotations
@@ -17,26 +18,31 @@ from models.partitioning import constrain, shard_layer
 FFNS = ("swiglu", "flashffn")
 
 
-def make_ffn(kind: str, d_model: int, num_heads: int, *, impl: str, dtype, options: dict,
-             rngs: nnx.Rngs) -> nnx.Module:
+def make_ffn(kind: str, d_model: int, num_heads: int, *, impl: str, interpret, dtype,
+             options: dict, rngs: nnx.Rngs) -> nnx.Module:
   """The FFN `kind` (one of FFNS): SwiGLU(d_model, **options) or FlashFFN(d_model, **options)
-  (FlashFFN defaults: num_heads, impl)."""
+  (FlashFFN defaults: num_heads, impl, interpret)."""
   if kind == "swiglu":
     return SwiGLU(d_model, dtype=dtype, rngs=rngs, **options)
-  return FlashFFN(d_model, **{"num_heads": num_heads, "impl": impl, **options}, dtype=dtype,
-                  rngs=rngs)
+  return FlashFFN(d_model, **{"num_heads": num_heads, "impl": impl, "interpret": interpret,
+                              **options}, dtype=dtype, rngs=rngs)
+
+
+def _uses_kernel(layer: nnx.Module) -> bool:
+  return getattr(layer, "impl", None) == "pallas"
 
 
 class Block(nnx.Module):
-  """x + mixer(norm(x), *context), then + ffn(norm(.)); see the module docstring."""
+  """x [B, L, d] -> x + mixer(norm(x), *context), then + ffn(norm(.)); see the module
+  docstring. Calls a mixer or FFN whose `impl` is "pallas" through `shard_layer`."""
 
-  def __init__(self, mixer: nnx.Module, ffn: nnx.Module, d_model: int, *, pallas_mixer: bool,
-               pallas_ffn: bool):
+  def __init__(self, mixer: nnx.Module, ffn: nnx.Module, d_model: int):
     self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
     self.mixer, self.ffn = mixer, ffn
-    self.pallas_mixer, self.pallas_ffn = pallas_mixer, pallas_ffn
+    self.pallas_mixer, self.pallas_ffn = _uses_kernel(mixer), _uses_kernel(ffn)
 
   def __call__(self, x, *context):
+    """x [B, L, d], context: the mixer's extra inputs ([B, ...] each) -> [B, L, d]."""
     h = self.norm1(x)
     x = x + (shard_layer(self.mixer, h, *context) if self.pallas_mixer
              else self.mixer(h, *context))

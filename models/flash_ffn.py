@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxops import checks
 from jaxops import flash_ffn as ffn_ops
 from jaxops.rms_norm import rms_normalize_groups
-from models.impl import Impl, check_impl
+from models.impl import Impl, resolve_impl
 from pallas_kernels import flash_ffn as ffn_kernel
-
 
 
 def default_d_expert(d_head: int) -> int:
@@ -71,23 +71,30 @@ class FlashFFN(nnx.Module):
 
   x [B, L, d] -> q = x W_in split into H heads [B, L, H, d_h] -> optional per-head RMSNorm
   -> router r = sigmoid(q W_r) / sum (float32) -> fused mixture (see `jaxops.flash_ffn`)
-  -> concat heads -> W_out. Params: 2 d^2 + 3 d d_ff + d E (+ d norm gains), d_ff = E d_e.
+  -> concat heads -> W_out -> y [B, L, d]. Params: 2 d^2 + 3 d d_ff + d E (+ d norm gains),
+  d_ff = E d_e.
 
   Args:
-    impl: "pallas" (fused kernel), "xla" (chunked XLA path) or "reference".
+    d_model, num_heads, num_experts, d_expert: d, H, E, d_e; d_h = d / H and d_e must be
+      multiples of 8.
+    impl: "auto" (default), "pallas" (fused kernel), "xla" (chunked XLA path) or
+      "reference"; see `models.impl`.
     chunk: tokens per chunk of the "xla" path.
     interpret: passed to the Pallas kernel (None: interpret on CPU only).
     dtype: compute dtype (params are cast to it); None uses the input's dtype.
   """
 
   def __init__(self, d_model: int, num_heads: int, num_experts: int, d_expert: int, *,
-               head_norm: bool = True, impl: Impl = "pallas", chunk: int = 512,
+               head_norm: bool = True, impl: Impl = "auto", chunk: int = 512,
                interpret=None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    if d_model % num_heads:
-      raise ValueError(f"FlashFFN: d_model ({d_model}) must be divisible by num_heads ({num_heads})")
-    check_impl("FlashFFN", impl)
+    checks.ints("FlashFFN", dict(d_model=d_model, num_heads=num_heads, num_experts=num_experts,
+                                 d_expert=d_expert, chunk=chunk))
+    checks.multiple("FlashFFN", "`d_model`", d_model, num_heads, "`num_heads`")
     d_h = d_model // num_heads
-    self.num_heads, self.impl, self.chunk, self.dtype = num_heads, impl, chunk, dtype
+    checks.multiple("FlashFFN", "the head width d_model / num_heads", d_h, 8)
+    checks.multiple("FlashFFN", "`d_expert`", d_expert, 8)
+    self.num_heads, self.impl, self.chunk, self.dtype = (
+        num_heads, resolve_impl("FlashFFN", impl), chunk, dtype)
     self.interpret = interpret
     table = jax.nn.initializers.normal(0.02)
     self.w_in = nnx.Param(_xavier(0.707)(rngs.params(), (d_model, d_model), param_dtype))
@@ -116,8 +123,8 @@ class FlashFFN(nnx.Module):
     return router * gain[:, :, None], fold(k), fold(u), v
 
   def __call__(self, x):
-    if x.ndim != 3 or x.shape[-1] != self.w_in.shape[0]:
-      raise ValueError(f"FlashFFN: `x` must be [B, L, {self.w_in.shape[0]}], got {x.shape}")
+    """x [B, L, d] -> [B, L, d] in the compute dtype."""
+    checks.sequence("FlashFFN", "x", x, self.w_in.shape[0])
     dtype = self.dtype or x.dtype
     router, k, u, v = self._folded(dtype)
     q, r = heads_and_router(x, self.w_in[...], router, normalize=self.norm_gain is not None,
@@ -132,10 +139,14 @@ class FlashFFN(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-  """The baseline FFN: (silu(x W_gate) * (x W_up)) W_down, 3 d d_ff params, x [B, L, d]."""
+  """The baseline FFN: (silu(x W_gate) * (x W_up)) W_down, 3 d d_ff params.
+
+  x [..., d] -> [..., d]; dtype: compute dtype (None: the input's).
+  """
 
   def __init__(self, d_model: int, d_ff: int, *, dtype=None, param_dtype=jnp.float32,
                rngs: nnx.Rngs):
+    checks.ints("SwiGLU", dict(d_model=d_model, d_ff=d_ff))
     init = jax.nn.initializers.lecun_normal()
     self.dtype = dtype
     self.w_gate = nnx.Param(init(rngs.params(), (d_model, d_ff), param_dtype))
@@ -143,8 +154,11 @@ class SwiGLU(nnx.Module):
     self.w_down = nnx.Param(init(rngs.params(), (d_ff, d_model), param_dtype))
 
   def __call__(self, x):
-    if x.shape[-1] != self.w_gate.shape[0]:
-      raise ValueError(f"SwiGLU: `x` must end in d_model={self.w_gate.shape[0]}, got {x.shape}")
+    """x [..., d] -> [..., d]."""
+    d_model = self.w_gate.shape[0]
+    if x.ndim < 1 or x.shape[-1] != d_model:
+      raise ValueError(f"SwiGLU: `x` must be [..., d_model={d_model}], got shape {x.shape}")
+    checks.floating("SwiGLU", "x", x)
     dtype = self.dtype or x.dtype
     w = [p[...].astype(dtype) for p in (self.w_gate, self.w_up, self.w_down)]
     return ffn_ops.swiglu(x.astype(dtype), *w)

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxops import checks
 from jaxops import frac as frac_ops
 from jaxops.rms_norm import rms_normalize
-from models.impl import Impl, check_impl
+from models.impl import Impl, resolve_impl
 from pallas_kernels import frac_scan as frac_kernel
 
 _F32 = jnp.float32
@@ -47,7 +48,12 @@ class FRACMixer(nnx.Module):
   and the M * N * P numbers per head of the state, whatever the context length.
 
   Args:
-    impl: "pallas" (kernel), "xla" (chunked XLA path) or "reference" (sequential scan).
+    d_model, num_heads, head_dim, state_dim: d, H, P, N (d_in = H P).
+    num_modes: M >= 3 (None: from `context`; the Mamba-2 baseline has 1).
+    context: the training length; the modes' rates cover warped times up to 4 * context.
+    impl: "auto" (default), "pallas" (kernel), "xla" (chunked XLA path) or "reference"
+      (sequential scan); see `models.impl`.
+    interpret: passed to the Pallas kernel (None: interpret on CPU only).
     learn_timescale: whether log_timescale (init 0 for FRAC) is trained.
     chunk: scan chunk for "pallas"/"xla" (None: the op's default).
     dtype: compute dtype of projections and scan inputs; None uses the input's dtype.
@@ -55,20 +61,23 @@ class FRACMixer(nnx.Module):
 
   def __init__(self, d_model: int, *, num_heads: int, head_dim: int, state_dim: int,
                num_modes: int | None = None, context: int = 2048, alpha_min: float = 0.2,
-               alpha_init=None, conv_width: int = 4, impl: Impl = "xla", mamba2: bool = False,
-               learn_timescale: bool = True, chunk: int | None = None, dtype=None,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
-    check_impl("FRACMixer", impl)
+               alpha_init=None, conv_width: int = 4, impl: Impl = "auto", interpret=None,
+               mamba2: bool = False, learn_timescale: bool = True, chunk: int | None = None,
+               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    checks.ints("FRACMixer", dict(d_model=d_model, num_heads=num_heads, head_dim=head_dim,
+                                  state_dim=state_dim, context=context, conv_width=conv_width,
+                                  **checks.given(chunk=chunk)))
+    if not mamba2 and num_modes is not None:
+      checks.ints("FRACMixer", {"num_modes": num_modes}, minimum=3)
     if not 0.0 < alpha_min < 1.0:
       raise ValueError(f"FRACMixer: `alpha_min` must lie in (0, 1), got {alpha_min}")
-    if conv_width < 1:
-      raise ValueError(f"FRACMixer: `conv_width` must be >= 1, got {conv_width}")
     if mamba2 and num_modes not in (None, 1):
       raise ValueError(f"FRACMixer: mamba2=True uses one mode; got num_modes={num_modes}")
     if mamba2 and alpha_init is not None:
       raise ValueError("FRACMixer: mamba2=True has no alpha; do not pass `alpha_init`")
     self.num_heads, self.head_dim, self.state_dim = num_heads, head_dim, state_dim
-    self.context, self.alpha_min, self.impl, self.chunk = context, alpha_min, impl, chunk
+    self.context, self.alpha_min, self.chunk = context, alpha_min, chunk
+    self.impl, self.interpret = resolve_impl("FRACMixer", impl), interpret
     self.mamba2, self.learn_timescale, self.dtype = mamba2, learn_timescale, dtype
     self.num_modes = 1 if mamba2 else (num_modes or frac_ops.default_num_modes(context))
     d_inner = num_heads * head_dim
@@ -156,9 +165,8 @@ class FRACMixer(nnx.Module):
   # --------------------------------------------------------------------------- API
 
   def __call__(self, x):
-    """x [B, L, d] -> [B, L, d]."""
-    if x.ndim != 3 or x.shape[-1] != self.in_proj.shape[0]:
-      raise ValueError(f"FRACMixer: `x` must be [B, L, {self.in_proj.shape[0]}], got {x.shape}")
+    """x [B, L, d] -> [B, L, d] in the compute dtype."""
+    checks.sequence("FRACMixer", "x", x, self.in_proj.shape[0])
     z, xbc, dt_raw = self._project(x)
     width = self.conv_weight.shape[0]
     xbc = self._conv(jnp.pad(xbc, ((0, 0), (width - 1, 0), (0, 0))))
@@ -166,7 +174,8 @@ class FRACMixer(nnx.Module):
     rates, weights = self.modes()
     if self.impl == "pallas":
       blocks = {} if self.chunk is None else {"chunk": self.chunk}
-      y, _ = frac_kernel.frac_scan(xs, dt, b, c, rates, weights, **blocks)
+      y, _ = frac_kernel.frac_scan(xs, dt, b, c, rates, weights, interpret=self.interpret,
+                                   **blocks)
     elif self.impl == "xla":
       y, _ = frac_ops.frac_scan(xs, dt, b, c, rates, weights, chunk=self.chunk or 64)
     else:
@@ -175,6 +184,7 @@ class FRACMixer(nnx.Module):
 
   def init_cache(self, batch: int, dtype=None):
     """Decoding cache: the conv window [B, W - 1, d_in + 2N] and the state [B, H, M, N, P]."""
+    checks.ints("FRACMixer.init_cache", {"batch": batch})
     conv_dim = self.conv_weight.shape[1]
     dtype = dtype or self.dtype or self.in_proj[...].dtype
     return {
@@ -185,9 +195,9 @@ class FRACMixer(nnx.Module):
 
   def step(self, x_t, cache):
     """One token: x_t [B, d] -> (y_t [B, d], cache); equals __call__ token by token."""
-    if x_t.ndim != 2 or x_t.shape[-1] != self.in_proj.shape[0]:
-      raise ValueError(f"FRACMixer.step: `x_t` must be [B, {self.in_proj.shape[0]}],"
-                       f" got {x_t.shape}")
+    d_model = self.in_proj.shape[0]
+    checks.shape("FRACMixer.step", "x_t", x_t, (None, d_model), f"[B, d_model={d_model}]")
+    checks.floating("FRACMixer.step", "x_t", x_t)
     z, xbc, dt_raw = self._project(x_t)
     window = jnp.concatenate([cache["conv"].astype(xbc.dtype), xbc[:, None]], axis=1)
     xs, dt, b, c = self._scan_inputs(self._conv(window)[:, 0], dt_raw)

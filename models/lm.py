@@ -17,23 +17,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxops import checks
 from models.attention import CausalAttention
 from models.block import FFNS, Block, make_ffn
-from models.impl import IMPLS
+from models.impl import Impl, resolve_impl
 from models.norm import RMSNorm
 from models.partitioning import constrain
 
 MIXERS = ("attention", "frac", "mamba2")
 
 
-def make_mixer(kind: str, d_model: int, num_heads: int, *, context: int, impl: str, dtype,
-               options: dict, rngs: nnx.Rngs) -> nnx.Module:
+def make_mixer(kind: str, d_model: int, num_heads: int, *, context: int, impl: str, interpret,
+               dtype, options: dict, rngs: nnx.Rngs) -> nnx.Module:
   """The sequence mixer `kind` (one of MIXERS); `options` go to its constructor."""
   if kind == "attention":
     return CausalAttention(d_model, num_heads, context=context, dtype=dtype, rngs=rngs, **options)
   from models.frac import FRACMixer  # noqa: PLC0415  (lazy: FRAC lives in its own module)
-  return FRACMixer(d_model, num_heads=num_heads, context=context, impl=impl, dtype=dtype,
-                   mamba2=kind == "mamba2", rngs=rngs, **options)
+  return FRACMixer(d_model, num_heads=num_heads, context=context, impl=impl, interpret=interpret,
+                   dtype=dtype, mamba2=kind == "mamba2", rngs=rngs, **options)
 
 
 class LanguageModel(nnx.Module):
@@ -46,32 +47,33 @@ class LanguageModel(nnx.Module):
     mixer_options, ffn_options: extra constructor arguments, e.g. {"head_dim": 32,
       "state_dim": 16} for FRAC, {"d_ff": 512} for SwiGLU, {"num_experts": 4, "d_expert": 64}
       for FlashFFN.
-    impl: kernel choice for FlashFFN / FRAC ("pallas", "xla", "reference").
+    impl: kernel choice for FlashFFN / FRAC ("auto", "pallas", "xla", "reference"; see
+      `models.impl`); interpret: passed to their kernels.
     dtype: compute dtype (None: float32); parameters stay float32.
+
+  Token ids must lie in [0, vocab_size): checked when concrete; under jit a
+  `checkify.debug_check` (see `jaxops.checks`).
   """
 
   def __init__(self, *, d_model: int, num_layers: int, num_heads: int, context: int,
                mixer: str = "attention", ffn: str = "swiglu", mixer_options: dict | None = None,
-               ffn_options: dict | None = None, impl: str = "xla", vocab_size: int = 256,
-               dtype=None, rngs: nnx.Rngs):
-    for name, value, allowed in (("mixer", mixer, MIXERS), ("ffn", ffn, FFNS),
-                                 ("impl", impl, IMPLS)):
-      if value not in allowed:
-        raise ValueError(f"LanguageModel: `{name}` must be one of {allowed}, got {value!r}")
-    for name, value in (("d_model", d_model), ("num_layers", num_layers),
-                        ("num_heads", num_heads), ("context", context),
-                        ("vocab_size", vocab_size)):
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"LanguageModel: `{name}` must be a positive int, got {value!r}")
+               ffn_options: dict | None = None, impl: Impl = "auto", interpret=None,
+               vocab_size: int = 256, dtype=None, rngs: nnx.Rngs):
+    checks.one_of("LanguageModel", "mixer", mixer, MIXERS)
+    checks.one_of("LanguageModel", "ffn", ffn, FFNS)
+    impl = resolve_impl("LanguageModel", impl)
+    checks.ints("LanguageModel", dict(d_model=d_model, num_layers=num_layers,
+                                      num_heads=num_heads, context=context,
+                                      vocab_size=vocab_size))
     self.mixer_kind, self.context, self.dtype = mixer, context, dtype
     self.embed = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, d_model)))
     self.blocks = nnx.List([
-        Block(make_mixer(mixer, d_model, num_heads, context=context, impl=impl, dtype=dtype,
-                         options=dict(mixer_options or {}), rngs=rngs),
-              make_ffn(ffn, d_model, num_heads, impl=impl, dtype=dtype,
+        Block(make_mixer(mixer, d_model, num_heads, context=context, impl=impl,
+                         interpret=interpret, dtype=dtype, options=dict(mixer_options or {}),
+                         rngs=rngs),
+              make_ffn(ffn, d_model, num_heads, impl=impl, interpret=interpret, dtype=dtype,
                        options=dict(ffn_options or {}), rngs=rngs),
-              d_model, pallas_mixer=impl == "pallas" and mixer != "attention",
-              pallas_ffn=impl == "pallas" and ffn == "flashffn")
+              d_model)
         for _ in range(num_layers)])
     self.norm = RMSNorm(d_model)
     self.head = nnx.Param(jax.random.normal(rngs.params(), (d_model, vocab_size)) * d_model ** -0.5)
@@ -81,8 +83,17 @@ class LanguageModel(nnx.Module):
     return jnp.einsum("...d,dv->...v", x, self.head[...].astype(x.dtype),
                       preferred_element_type=jnp.float32)
 
+  def _check_tokens(self, owner: str, name: str, tokens, ndim: int, layout: str):
+    checks.shape(owner, name, tokens, (None,) * ndim, layout)
+    checks.integer(owner, name, tokens)
+    checks.nonempty(owner, name, tokens, layout)
+    vocab = self.embed.shape[0]
+    checks.values(owner, name, tokens, lambda t: (t >= 0) & (t < vocab),
+                  f"hold token ids in [0, vocab_size={vocab})")
+
   def __call__(self, tokens):
     """tokens [B, L] int -> logits [B, L, V] float32."""
+    self._check_tokens("LanguageModel", "tokens", tokens, 2, "[B, L]")
     x = self.embed[...][tokens].astype(self.dtype or jnp.float32)
     x = constrain(x, ("batch", "seq", None))
     for block in self.blocks:
@@ -95,6 +106,7 @@ class LanguageModel(nnx.Module):
 
   def step(self, token_t, cache):
     """token_t [B] int -> (logits_t [B, V] float32, cache)."""
+    self._check_tokens("LanguageModel.step", "token_t", token_t, 1, "[B]")
     x = self.embed[...][token_t].astype(self.dtype or jnp.float32)
     new_cache = []
     for block, c in zip(self.blocks, cache):
@@ -107,9 +119,9 @@ class LanguageModel(nnx.Module):
 
     The prompt is fed through `step` too (recurrent prefill). temperature 0 is greedy (argmax).
     """
+    self._check_tokens("LanguageModel.generate", "prompt", jnp.asarray(prompt), 2, "[B, P]")
+    checks.ints("LanguageModel.generate", {"num_tokens": num_tokens}, minimum=0)
     prompt = jnp.asarray(prompt, jnp.int32)
-    if prompt.ndim != 2 or prompt.shape[1] < 1:
-      raise ValueError(f"generate: `prompt` must be [B, P] with P >= 1, got {prompt.shape}")
     total = prompt.shape[1] + num_tokens
     if self.mixer_kind == "attention" and total > self.context:
       raise ValueError(f"generate: prompt + num_tokens = {total} exceeds the attention KV cache "

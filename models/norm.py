@@ -6,15 +6,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxops import checks
+
 
 class RMSNorm(nnx.Module):
   """x [..., d] -> same shape and dtype; the statistics are float32; `scale` [d] starts at ones."""
 
   def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32):
+    checks.ints("RMSNorm", {"dim": dim})
+    if not eps > 0:
+      raise ValueError(f"RMSNorm: `eps` must be > 0, got {eps!r}")
     self.eps = eps
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
 
   def __call__(self, x):
+    """x [..., dim] -> same shape and dtype."""
+    dim = self.scale.shape[0]
+    if x.ndim < 1 or x.shape[-1] != dim:
+      raise ValueError(f"RMSNorm: `x` must be [..., dim={dim}], got shape {x.shape}")
+    checks.floating("RMSNorm", "x", x)
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)

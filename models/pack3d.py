@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxops import checks
 from jaxops import pack3d as pack3d_ops
 from jaxops import rope
-from models.impl import Impl, check_impl
+from models.impl import Impl, resolve_impl
 from pallas_kernels import pack3d_attention as pack3d_kernel
 
 Position = Literal["axial_rope", "learned_packed", "rope_packed", "none"]
@@ -21,7 +22,9 @@ class Pack3DAttention(nnx.Module):
   """Local + cube-summary attention over packed 3D token grids (DESIGN.md section 3).
 
   x [B, N, d] -> q, k, v = x W_qkv split into H heads [B, N, H, D] -> positions ->
-  Pack3D attention (`jaxops.pack3d`) over (coords, field_ids) -> concat heads -> W_out.
+  Pack3D attention (`jaxops.pack3d`) over (coords, field_ids) -> concat heads -> W_out
+  -> y [B, N, d]. coords int [B, N, 3] (z, y, x) of each token in its field, field_ids
+  int [B, N]; tokens in any order.
 
   Position modes:
     "axial_rope"      axial 3D RoPE of q, k on the grid coordinates, before compression
@@ -32,7 +35,11 @@ class Pack3DAttention(nnx.Module):
     "none"            no positions
 
   Args:
-    impl: "pallas" (kernel), "xla" (cube-gather XLA path) or "reference" (dense).
+    d_model, num_heads: d and H (head dim D = d / H).
+    block_shape, radius_blocks: the cube shape and the local radius in cubes.
+    impl: "auto" (default), "pallas" (kernel), "xla" (cube-gather XLA path) or "reference"
+      (dense); see `models.impl`. "auto" with merge "gated" or "local" is "xla".
+    interpret: passed to the Pallas kernel (None: interpret on CPU only).
     merge: "joint" (one softmax over both branches), "gated" (NSA-style: per-head
       sigmoid gates from x weight two separately normalized branches; XLA/reference only)
       or "local" (the local branch alone, no far summaries: the local-only ablation;
@@ -43,18 +50,19 @@ class Pack3DAttention(nnx.Module):
   """
 
   def __init__(self, d_model: int, num_heads: int, *, block_shape: Sequence[int] = (4, 4, 4),
-               radius_blocks: int = 1, position: Position = "axial_rope", impl: Impl = "pallas",
-               max_len: int | None = None, block_bias: bool = True, merge: str = "joint",
-               rotate_summaries: str = "before", rope_theta: float = 10000.0,
+               radius_blocks: int = 1, position: Position = "axial_rope", impl: Impl = "auto",
+               interpret=None, max_len: int | None = None, block_bias: bool = True,
+               merge: str = "joint", rotate_summaries: str = "before", rope_theta: float = 10000.0,
                spacing: Sequence[float] = (1.0, 1.0, 1.0), max_cubes: int | None = None,
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    if d_model % num_heads:
-      raise ValueError(f"Pack3DAttention: d_model ({d_model}) must be divisible by num_heads"
-                       f" ({num_heads})")
+    owner = "Pack3DAttention"
+    checks.ints(owner, dict(d_model=d_model, num_heads=num_heads,
+                            **checks.given(max_len=max_len, max_cubes=max_cubes)))
+    checks.ints(owner, {"radius_blocks": radius_blocks}, minimum=0)
+    checks.zyx(owner, "block_shape", block_shape)
+    checks.multiple(owner, "`d_model`", d_model, num_heads, "`num_heads`")
     head_dim = d_model // num_heads
-    check_impl("Pack3DAttention", impl)
-    if position not in _POSITIONS:
-      raise ValueError(f"Pack3DAttention: `position` must be one of {_POSITIONS}, got {position!r}")
+    checks.one_of(owner, "position", position, _POSITIONS)
     if position == "axial_rope" and head_dim % 6:
       raise ValueError(f"Pack3DAttention: axial_rope needs the head dim (d_model / num_heads ="
                        f" {head_dim}) divisible by 6")
@@ -62,17 +70,15 @@ class Pack3DAttention(nnx.Module):
       raise ValueError(f"Pack3DAttention: rope_packed needs an even head dim, got {head_dim}")
     if position == "learned_packed" and not max_len:
       raise ValueError("Pack3DAttention: position='learned_packed' needs `max_len`")
-    if merge not in ("joint", "gated", "local"):
-      raise ValueError(f"Pack3DAttention: `merge` must be 'joint', 'gated' or 'local', got"
-                       f" {merge!r}")
+    checks.one_of(owner, "merge", merge, ("joint", "gated", "local"))
     if merge in ("gated", "local") and impl == "pallas":
       raise ValueError(f"Pack3DAttention: merge={merge!r} needs impl='xla' or 'reference'")
-    if rotate_summaries not in ("before", "after"):
-      raise ValueError(f"Pack3DAttention: `rotate_summaries` must be 'before' or 'after',"
-                       f" got {rotate_summaries!r}")
+    checks.one_of(owner, "rotate_summaries", rotate_summaries, ("before", "after"))
     if rotate_summaries == "after" and position != "axial_rope":
       raise ValueError("Pack3DAttention: rotate_summaries='after' needs position='axial_rope'")
-    self.num_heads, self.position, self.impl, self.merge = num_heads, position, impl, merge
+    self.num_heads, self.position, self.merge = num_heads, position, merge
+    self.impl = resolve_impl(owner, impl, has_kernel=merge == "joint")
+    self.interpret = interpret
     self.rope = dict(theta=rope_theta, spacing=tuple(spacing))
     self.op_kwargs = dict(block_shape=tuple(block_shape), radius_blocks=radius_blocks,
                           block_bias=block_bias,
@@ -89,7 +95,7 @@ class Pack3DAttention(nnx.Module):
   def _attend(self, q, k, v, coords, field_ids, gates):
     if self.impl == "pallas":
       return pack3d_kernel.pack3d_attention(q, k, v, coords, field_ids, max_cubes=self.max_cubes,
-                                            **self.op_kwargs)
+                                            interpret=self.interpret, **self.op_kwargs)
     if self.impl == "xla":
       return pack3d_ops.pack3d_attention(q, k, v, coords, field_ids, gates=gates,
                                          max_cubes=self.max_cubes, **self.op_kwargs)
@@ -97,9 +103,9 @@ class Pack3DAttention(nnx.Module):
                                                  **self.op_kwargs)
 
   def __call__(self, x, coords, field_ids):
+    """x [B, N, d], coords int [B, N, 3], field_ids int [B, N] -> [B, N, d] (compute dtype)."""
     d_model = self.w_out.shape[0]
-    if x.ndim != 3 or x.shape[-1] != d_model:
-      raise ValueError(f"Pack3DAttention: `x` must be [B, N, {d_model}], got {x.shape}")
+    checks.sequence("Pack3DAttention", "x", x, d_model)
     dtype = self.dtype or x.dtype
     batch, n = x.shape[:2]
     x = x.astype(dtype)

@@ -17,46 +17,49 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxops import packing
+from jaxops import checks, packing
 from models.block import FFNS, Block, make_ffn
+from models.impl import Impl
 from models.norm import RMSNorm
 
 
 class Pack3DSegmenter(nnx.Module):
-  """Args:
+  """Per-voxel class logits for packed 3D fields (see the module docstring).
+
+  tokens [B, N, p^3 C], coords int [B, N, 3], field_ids int [B, N] -> logits [B, N, p^3, K].
+
+  Args:
     patch, in_channels, num_classes: patch (pz, py, px), C and K.
     d_model, depth, num_heads: width, number of blocks, attention heads (d / H % 6 == 0 for
       axial RoPE).
     ffn, ffn_options: as in models.block.make_ffn.
     attention_options: extra Pack3DAttention arguments (block_shape, radius_blocks, position,
       max_cubes, ...).
-    impl: "pallas", "xla" or "reference" for Pack3D attention and FlashFFN.
+    impl: "auto", "pallas", "xla" or "reference" for Pack3D attention and FlashFFN (see
+      `models.impl`); interpret: passed to their kernels.
     dtype: compute dtype (None: float32); parameters stay float32.
   """
 
   def __init__(self, *, patch: Sequence[int] = (4, 4, 4), in_channels: int = 1,
                num_classes: int, d_model: int, depth: int, num_heads: int, ffn: str = "swiglu",
                ffn_options: dict | None = None, attention_options: dict | None = None,
-               impl: str = "xla", dtype=None, rngs: nnx.Rngs):
+               impl: Impl = "auto", interpret=None, dtype=None, rngs: nnx.Rngs):
     from models.pack3d import Pack3DAttention  # noqa: PLC0415  (lazy: Pack3D's own module)
-    if ffn not in FFNS:
-      raise ValueError(f"Pack3DSegmenter: `ffn` must be one of {FFNS}, got {ffn!r}")
-    for name, value in (("d_model", d_model), ("depth", depth), ("num_heads", num_heads),
-                        ("num_classes", num_classes), ("in_channels", in_channels)):
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"Pack3DSegmenter: `{name}` must be a positive int, got {value!r}")
+    checks.one_of("Pack3DSegmenter", "ffn", ffn, FFNS)
+    checks.ints("Pack3DSegmenter", dict(d_model=d_model, depth=depth, num_heads=num_heads,
+                                        num_classes=num_classes, in_channels=in_channels))
+    checks.zyx("Pack3DSegmenter", "patch", patch)
     self.patch, self.num_classes, self.dtype = tuple(patch), num_classes, dtype
     voxels = math.prod(patch)
     self.embed = nnx.Param(jax.random.normal(rngs.params(), (voxels * in_channels, d_model))
                            * (voxels * in_channels) ** -0.5)
     self.embed_bias = nnx.Param(jnp.zeros((d_model,)))
     self.blocks = nnx.List([
-        Block(Pack3DAttention(d_model, num_heads, impl=impl, dtype=dtype, rngs=rngs,
-                              **(attention_options or {})),
-              make_ffn(ffn, d_model, num_heads, impl=impl, dtype=dtype,
+        Block(Pack3DAttention(d_model, num_heads, impl=impl, interpret=interpret, dtype=dtype,
+                              rngs=rngs, **(attention_options or {})),
+              make_ffn(ffn, d_model, num_heads, impl=impl, interpret=interpret, dtype=dtype,
                        options=dict(ffn_options or {}), rngs=rngs),
-              d_model, pallas_mixer=impl == "pallas",
-              pallas_ffn=impl == "pallas" and ffn == "flashffn")
+              d_model)
         for _ in range(depth)])
     self.norm = RMSNorm(d_model)
     self.head = nnx.Param(jax.random.normal(rngs.params(), (d_model, voxels * num_classes))
@@ -64,6 +67,7 @@ class Pack3DSegmenter(nnx.Module):
 
   def __call__(self, tokens, coords, field_ids):
     """tokens [B, N, p^3 C], coords int [B, N, 3], field_ids int [B, N] -> [B, N, p^3, K]."""
+    checks.sequence("Pack3DSegmenter", "tokens", tokens, self.embed.shape[0])
     dtype = self.dtype or jnp.float32
     x = tokens.astype(dtype) @ self.embed[...].astype(dtype) + self.embed_bias[...].astype(dtype)
     for block in self.blocks:

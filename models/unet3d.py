@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxops import checks
 from models.norm import RMSNorm
 
 
@@ -37,14 +38,16 @@ def _pool(x):
 
 
 class UNet3D(nnx.Module):
-  """Args: in_channels C, num_classes K, base_channels, levels L (>= 1), dtype (compute)."""
+  """Dense 3D U-Net: image [B, Z, Y, X, C] -> logits [B, Z, Y, X, K] float32 (module docstring).
+
+  Args: in_channels C, num_classes K, base_channels, levels L (>= 1), dtype (compute).
+  No kernel (no `impl`).
+  """
 
   def __init__(self, *, in_channels: int = 1, num_classes: int, base_channels: int = 16,
                levels: int = 3, dtype=None, rngs: nnx.Rngs):
-    for name, value in (("in_channels", in_channels), ("num_classes", num_classes),
-                        ("base_channels", base_channels), ("levels", levels)):
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"UNet3D: `{name}` must be a positive int, got {value!r}")
+    checks.ints("UNet3D", dict(in_channels=in_channels, num_classes=num_classes,
+                               base_channels=base_channels, levels=levels))
     ch = [base_channels * 2 ** l for l in range(levels)]
     self.levels, self.dtype = levels, dtype
     self.down = nnx.List([ConvBlock(c_in, c, dtype=dtype, rngs=rngs)
@@ -57,10 +60,11 @@ class UNet3D(nnx.Module):
 
   def __call__(self, image):
     """image [B, Z, Y, X, C] -> logits [B, Z, Y, X, K] float32."""
-    factor = 2 ** (self.levels - 1)
-    if image.ndim != 5 or any(n % factor for n in image.shape[1:4]):
-      raise ValueError(f"UNet3D: `image` must be [B, Z, Y, X, C] with Z, Y, X divisible by "
-                       f"{factor}, got {image.shape}")
+    factor, channels = 2 ** (self.levels - 1), self.down[0].convs[0].in_features
+    if (image.ndim != 5 or image.shape[-1] != channels or 0 in image.shape
+        or any(n % factor for n in image.shape[1:4])):
+      raise ValueError(f"UNet3D: `image` must be [B, Z, Y, X, C={channels}] with Z, Y, X"
+                       f" positive and divisible by {factor}, got {image.shape}")
     x, skips = image.astype(self.dtype or jnp.float32), []
     for l, block in enumerate(self.down):
       x = block(_pool(x) if l else x)
@@ -71,6 +75,7 @@ class UNet3D(nnx.Module):
 
 
 def param_count(model: nnx.Module) -> int:
+  """The number of parameter entries of any NNX model."""
   return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 

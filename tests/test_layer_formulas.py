@@ -393,7 +393,7 @@ def test_block_is_pre_norm_residual():
   """Block: x = x + mixer(RMSNorm1(x), *context); x = x + ffn(RMSNorm2(x)); and `step` the
   same token by token."""
   d = 8
-  block = Block(_Linear(d, 1), _Linear(d, 2), d, pallas_mixer=False, pallas_ffn=False)
+  block = Block(_Linear(d, 1), _Linear(d, 2), d)
   randomize(block.norm1.scale, 3)
   randomize(block.norm2.scale, 4)
   x = normal(5, (2, 3, d)) * 2
