@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import os
 import pathlib
+import shutil
 import signal
 
 import chex
@@ -76,58 +77,47 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["2"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_saves_the_current_step_once_and_returns(baseline, tmp_path, signum):
-  """SIGTERM used to end the process without saving, SIGINT raised KeyboardInterrupt: both
-  now finish the step under way, save it, and return; the rerun equals the uninterrupted run,
-  also when a kill tore the last line of metrics.jsonl (which used to fail every rerun)."""
+@pytest.mark.parametrize("signum, mid_save", [(signal.SIGINT, False), (signal.SIGTERM, True)],
+                         ids=["SIGINT_mid_step", "SIGTERM_mid_save"])
+def test_a_signal_saves_the_step_under_way_once_and_returns(baseline, tmp_path, monkeypatch,
+                                                            signum, mid_save):
+  """SIGINT used to raise KeyboardInterrupt without saving; SIGTERM ended the process at once,
+  and during a save left only the temporary folder (the rerun started from step 0). Now both
+  complete a save in flight, save the step under way and return; the rerun equals the
+  uninterrupted run, also when a kill tore the last line of metrics.jsonl (which used to make
+  every rerun fail)."""
+  if mid_save:                          # checkpoints stay in their temporary folder for 1 s
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def slow_finalize(self, *args, **kwargs):
+      await asyncio.sleep(1.0)
+      return await finalize(self, *args, **kwargs)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", slow_finalize)
   c = config()
   task = lm_task.build_task(c)
+  at = 4 if mid_save else 5             # save(4) starts just before train_batch(4)
 
   def signalled(step):
-    if step == 5:
+    if step == at:
+      saving = [p.name for p in (tmp_path / "checkpoints").iterdir() if "tmp" in p.name]
+      assert saving or not mid_save
       os.kill(os.getpid(), signum)
     return task.train_batch(step)
 
   stopped = trainer.fit(c, tmp_path, dataclasses.replace(task, train_batch=signalled))
   assert stopped.stopped == signum.name
-  assert checkpoint_names(tmp_path) == ["4", "6"]
-  assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == list(range(6))
+  assert checkpoint_names(tmp_path) == ["4", str(at + 1)]
+  assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r] == list(range(at + 1))
   assert not (tmp_path / "summary.json").exists()      # not a finished run
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler     # handlers restored
+  monkeypatch.undo()
   with (tmp_path / "metrics.jsonl").open("a") as f:
-    f.write('{"step": 6, "loss": 2.3')
+    f.write(f'{{"step": {at + 1}, "loss": 2.3')
   resumed = trainer.fit(c, tmp_path, task)
   assert resumed.stopped is None and losses(tmp_path) == losses(baseline[0])
   chex.assert_trees_all_equal(nnx.state(resumed.model, nnx.Param),
                               nnx.state(baseline[1].model, nnx.Param))
-
-
-def test_a_signal_during_a_save_completes_it_and_saves_the_step_under_way(baseline, tmp_path,
-                                                                          monkeypatch):
-  """A SIGTERM while checkpoint 4 was still in its temporary folder used to leave only that
-  folder, and the rerun started from step 0: now 4 is completed and 5 saved as well."""
-  finalize = atomicity.AtomicRenameTemporaryPath.finalize
-
-  async def slow_finalize(self, *args, **kwargs):
-    await asyncio.sleep(1.0)
-    return await finalize(self, *args, **kwargs)
-
-  monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", slow_finalize)
-  c = config()
-  task = lm_task.build_task(c)
-
-  def signalled(step):
-    if step == 4:                        # save(4) has just started
-      assert [p.name for p in (tmp_path / "checkpoints").iterdir() if "tmp" in p.name]
-      os.kill(os.getpid(), signal.SIGTERM)
-    return task.train_batch(step)
-
-  stopped = trainer.fit(c, tmp_path, dataclasses.replace(task, train_batch=signalled))
-  assert stopped.stopped == "SIGTERM" and checkpoint_names(tmp_path) == ["4", "5"]
-  monkeypatch.undo()
-  trainer.fit(c, tmp_path, task)
-  assert losses(tmp_path) == losses(baseline[0])
 
 
 def test_a_second_sigint_stops_at_once(tmp_path):
@@ -163,6 +153,8 @@ def damage(step_dir: pathlib.Path, how: str) -> None:
       f.write_bytes(f.read_bytes()[:20])
 
 
+# tensorstore may report a failed read's callback after orbax closed its event loop: noise
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("how", ["emptied", "truncated", "metadata_cut"])
 def test_restore_skips_damaged_checkpoints(tmp_path, how, caplog):
   """Each kind of damage used to end in a raw tensorstore/orbax/JSON error."""
@@ -182,12 +174,12 @@ def test_restore_skips_damaged_checkpoints(tmp_path, how, caplog):
   c.close()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_run_redoes_the_steps_after_a_damaged_newest_checkpoint(baseline, tmp_path):
-  c = config()
-  task = lm_task.build_task(c)
-  trainer.fit(c, tmp_path, task)
+  shutil.copytree(baseline[0], tmp_path, dirs_exist_ok=True)
   damage(tmp_path / "checkpoints" / "8", "truncated")
-  result = trainer.fit(c, tmp_path, task)
+  c = config()
+  result = trainer.fit(c, tmp_path, lm_task.build_task(c))
   assert checkpoint_names(tmp_path) == ["4", "8", "8.unreadable"]
   assert losses(tmp_path) == losses(baseline[0])
   chex.assert_trees_all_equal(nnx.state(result.model, nnx.Param),

@@ -114,18 +114,14 @@ class Checkpoints:
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
         metadata = self.manager.item_metadata(step)
-        difference = tree_difference(metadata, abstract) if metadata else "no metadata"
-      except Exception as e:  # noqa: BLE001  (any failure to read means: try an older one)
-        self._set_aside(step, e)
-        continue
-      if difference == "no metadata":
-        self._set_aside(step, ValueError("its metadata is missing"))
-        continue
-      if difference:
-        raise DifferentModelError(difference)
-      try:
+        if not metadata:
+          raise ValueError("its metadata is missing")
+        if difference := tree_difference(metadata, abstract):
+          raise DifferentModelError(difference)
         return self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
-      except Exception as e:  # noqa: BLE001
+      except DifferentModelError:
+        raise
+      except Exception as e:  # noqa: BLE001  (any failure to read means: try an older one)
         self._set_aside(step, e)
     return None
 

@@ -6,10 +6,14 @@ unknown config field, a missing config file, an unwritable workdir (checked befo
 slow), multi-host flags that do not fit together, and every train.errors.UsageError the config
 checks raise. A run stopped on purpose (train.errors.TrainingError: non-finite values) prints its
 message with status 1. Everything else is a bug and keeps its traceback.
+
+SIGTERM and SIGINT end the binary with status 0 and no traceback: inside the training loop
+after saving the step under way (train.trainer.fit), before or after it at once (nothing to save).
 """
 
 import re
 import runpy
+import signal
 import sys
 from typing import Callable
 
@@ -101,6 +105,8 @@ def run(train_and_evaluate: Callable) -> None:
   train_and_evaluate(config, workdir); errors as described in the module docstring."""
 
   def main(argv):
+    # outside fit's own handlers, SIGTERM raises KeyboardInterrupt like SIGINT (caught below)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
       try:
         config = _CONFIG.value
@@ -115,7 +121,8 @@ def run(train_and_evaluate: Callable) -> None:
       _fail(str(e))
     except errors.TrainingError as e:
       _fail(str(e), status=1)
-    except KeyboardInterrupt:                   # before training started: nothing to save
-      _fail("interrupted before training started; nothing was saved", status=130)
+    except KeyboardInterrupt:            # outside the training loop, or a second signal in it
+      sys.stderr.write("interrupted: stopped without saving; the checkpoints in --workdir are "
+                       "complete, rerun to resume from the newest\n")
 
   app.run(main, flags_parser=_parse_flags)

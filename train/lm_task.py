@@ -22,8 +22,8 @@ from flax import nnx
 
 from models.lm import LanguageModel
 from train import trainer
-from train.errors import UsageError
 from train.data import synthetic, text
+from train.errors import UsageError
 
 
 def make_model(config) -> LanguageModel:
@@ -133,8 +133,9 @@ def train_and_evaluate(config, workdir: str) -> trainer.FitResult:
   if result.stopped:
     return result
   if config.sample.num_tokens > 0:
-    text_out = sample(result.model, config)
-    (result.workdir / "sample.txt").write_text(text_out)
+    text_out = sample(result.model, config)       # every process decodes (same result)
+    if jax.process_index() == 0:
+      (result.workdir / "sample.txt").write_text(text_out)
     print(f"--- sample (recurrent decoding, temperature {config.sample.temperature}) ---\n"
           f"{text_out}\n---")
   fmt = lambda x: "n/a" if x is None else f"{x:.4f}"

@@ -143,8 +143,9 @@ def _model_change(workdir: pathlib.Path, config) -> str:
 
 class _StopSignals:
   """While active, SIGTERM and SIGINT set `name` (the loop then saves and stops) instead of
-  ending the process. A second signal restores the previous handlers and is raised again, so it
-  ends the process at once. Inactive off the main thread (Python installs handlers only there).
+  ending the process. A second signal restores the previous handlers and is raised again, to stop
+  at once without saving (KeyboardInterrupt for SIGINT; for SIGTERM Python's default ends the
+  process). Inactive off the main thread (Python installs handlers only there).
   """
 
   def __init__(self):
@@ -240,8 +241,9 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
       # non-finite loss or gradient reaches a checkpoint
       for name in ("loss", "grad_norm"):
         if not math.isfinite(values[name]):
-          raise NonFiniteLossError(f"{name} is {values[name]} at step {step} (loss "
-                                   f"{values['loss']:.4g}): stopping; {checkpoints.newest_note()}")
+          where = f"at step {step}" + (f" (loss {values['loss']:.4g})" if name != "loss" else "")
+          raise NonFiniteLossError(f"{name} is {values[name]} {where}: stopping; "
+                                   f"{checkpoints.newest_note()}")
       bar.update(step, values["loss"])
       if step % config.log_every == 0 or step + 1 == config.steps:
         writer.write(step, {**values, "steps_per_s": bar.rate,
@@ -263,7 +265,8 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
             loss = record(*pending)        # one step behind: the host check overlaps the next step
           pending = (step, step_metrics)
           done = step + 1
-          save = checkpoints.due(done) or stop.name is not None
+          stopping = stop.name is not None   # read once: a signal later in this step waits a step
+          save = checkpoints.due(done) or stopping
           if done % config.eval_every == 0 or save:
             loss, pending = record(*pending), None
             if done % config.eval_every == 0 or done == config.steps:
@@ -272,7 +275,7 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
               writer.write(step, eval_metrics)
             if save:
               checkpoints.save(done, state)
-          if stop.name is not None:
+          if stopping:
             break
       finally:
         bar.close()
