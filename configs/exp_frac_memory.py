@@ -6,8 +6,14 @@ layer (one exponential mode) at equal parameters and at equal state size, and at
 Tasks (experiments.memory_tasks):
   lag_recall  L = 2176, lags 1, 2, 4, ..., 2048 (token 0 names the lag), 14 data symbols,
               every lag scored on positions 2049..2175; accuracy per lag.
+              A dense delay-line task: no SSM readout can address lag > conv width (see
+              configs/exp_frac_memory_diag.py and RESULTS.md); kept for the record.
+  value_recall  L = 2112: a marker, one value, random distractors, and a query at 1 + lag
+              for every lag 1, 2, 4, ..., 2048 (target: the value); accuracy per lag. The
+              memory-length probe.
   mqar        train.data.synthetic.mqar, L = 512, 16 key-value pairs, power-law gaps
               p(g) ~ g^-0.99 (about uniform in log g); accuracy per log2 gap bucket.
+Steps are sized for the shared 2-core CPU (~15 min per arm at most).
 Model: 2 blocks, d = 64, 2 heads of width 32, SwiGLU d_ff 128. FRAC: N = 16, M modes from the
 context (15 at L = 2176, 14 at L = 512). mamba2_params: the same shapes with one mode (the
 parameter counts differ by the 2 alpha logits per layer). mamba2_state: state_dim = M * 16,
@@ -57,7 +63,7 @@ def get_config():
               "steps_by_arm": {"attention": 60}, "eval_batches": 8},
           "mqar": {
               "length": 512, "vocab": 256, "num_pairs": 16, "power": 0.01,
-              "batch": 16, "steps": 800, "steps_by_arm": {}, "eval_batches": 16},
+              "batch": 16, "steps": 300, "steps_by_arm": {}, "eval_batches": 16},
       },
       "task_order": ("lag_recall", "value_recall", "mqar"),
   })

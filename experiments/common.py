@@ -115,6 +115,15 @@ def command_line() -> str:
                   + sys.argv[1:])
 
 
+def record_command(results: "Results") -> None:
+  """meta.command = this invocation; meta.commands = every invocation, with its time (a
+  later --stages=plot must not hide the command that trained)."""
+  line = command_line()
+  results.data["meta"]["command"] = line
+  results.data["meta"].setdefault("commands", []).append(
+      {"command": line, "time": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
 def selected(items, only: str) -> list:
   """items filtered by a comma-separated --only list (empty: all)."""
   if not only:

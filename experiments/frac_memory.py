@@ -176,6 +176,34 @@ def train_stage(base, tasks, arms, seeds, results, runs_dir) -> None:
         common.log(f"{key}: accuracy {ev['accuracy']:.3f}, wall {wall:.0f}s")
 
 
+def kernels_stage(base, tasks, arms, results) -> None:
+  """The memory kernel each recurrent arm starts from, per head: K(u) / K(0) at the task's
+  lags, u in warped time (u = lag * dt, dt = softplus(dt_bias) at init), with alpha, dt and
+  the mode rates; written to results["kernels_at_init"] (no training)."""
+  out = {}
+  for task in tasks:
+    t = base.experiment.tasks[task]
+    for arm in arms:
+      config = run_config(base, task, arm, 0)
+      if config.model.mixer == "attention":
+        continue
+      m = lm_task.make_model(config).blocks[0].mixer
+      rates, weights = (np.asarray(v, np.float64) for v in m.modes())
+      dt = np.asarray(jax.nn.softplus(m.dt_bias[...]), np.float64)
+      lags = np.asarray(t.get("lags", 2 ** np.arange(int(np.log2(t.length)) + 1)),
+                        np.float64)                     # MQAR: gaps 1, 2, 4, ... up to L
+      u = lags[None, :] * dt[:, None]                                        # [H, lags]
+      k = (weights[:, None, :] * np.exp(-rates[:, None, :] * u[..., None])).sum(-1)
+      out[f"{task}/{arm}"] = {
+          "lags": lags.astype(int).tolist(), "dt_init": dt.round(4).tolist(),
+          "alpha_init": np.asarray(m.alpha()).round(4).tolist(), "num_modes": int(m.num_modes),
+          "rate_min": float(rates.min()), "rate_max": float(rates.max()),
+          "kernel_over_k0": (k / weights.sum(-1)[:, None]).round(5).tolist()}
+      common.log(f"kernel {task}/{arm}: K(lag)/K(0) per head at lags {lags[-3:]}: "
+                 f"{(k / weights.sum(-1)[:, None])[:, -3:].round(4).tolist()}")
+  results.set("kernels_at_init", out)
+
+
 def plot(results, base, tasks, path) -> None:
   plt = common.pyplot()
   fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 4.6), squeeze=False)
@@ -221,10 +249,12 @@ def main(argv):
   arms = common.selected(base.experiment.order, F.only)
   seeds = common.seeds_from(F.seeds, base)
   results = common.Results(F.name, directory=F.results_dir)
-  results.data["meta"]["command"] = common.command_line()
+  common.record_command(results)
   stages = F.stages.split(",")
   if "train" in stages:
     train_stage(base, tasks, arms, seeds, results, pathlib.Path(F.runs_dir))
+  if "kernels" in stages:
+    kernels_stage(base, tasks, arms, results)
   if "plot" in stages:
     plot(results, base, list(base.experiment.task_order),
          pathlib.Path(F.results_dir) / f"{F.name}.png")

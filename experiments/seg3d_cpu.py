@@ -120,7 +120,7 @@ def main(argv):
   arms = common.selected(base.experiment.order, F.only)
   seeds = common.seeds_from(F.seeds, base)
   results = common.Results(NAME, directory=F.results_dir)
-  results.data["meta"]["command"] = common.command_line()
+  common.record_command(results)
   stages = F.stages.split(",")
   if "train" in stages:
     train_stage(base, arms, seeds, results, pathlib.Path(F.runs_dir))

@@ -204,6 +204,10 @@ def test_results_file_resumes(tmp_path):
   again = common.Results("demo", directory=tmp_path)
   assert again.has("a/seed0") and again.runs["a/seed0"]["x"] == 1.5
   assert again.data["throughput"] == {"a": 2}
+  common.record_command(again)
+  common.record_command(again)
+  assert len(again.data["meta"]["commands"]) == 2
+  assert again.data["meta"]["command"] == again.data["meta"]["commands"][-1]["command"]
   assert common.stats([1.0, 3.0])["mean"] == 2.0 and common.stats([2.0])["std"] == 0.0
   assert common.fmt(common.stats([1.0, 3.0]), 2) == "2.00 ± 1.41"
   assert common.selected(["a", "b"], "b") == ["b"]
