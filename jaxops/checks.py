@@ -83,9 +83,9 @@ def nonempty(owner: str, name: str, x, layout: str) -> None:
                      " every size >= 1 (no empty sequence or batch)")
 
 
-def sequence(owner: str, name: str, x, width: int) -> None:
+def sequence(owner: str, name: str, x, width: int, width_name: str = "d_model") -> None:
   """A sequence layer's input: float [B, L, width] with B, L >= 1."""
-  layout = f"[B, L, {width}]"
+  layout = f"[B, L, {width_name}={width}]"
   shape(owner, name, x, (None, None, width), layout)
   floating(owner, name, x)
   nonempty(owner, name, x, layout)

@@ -67,7 +67,7 @@ class Pack3DSegmenter(nnx.Module):
 
   def __call__(self, tokens, coords, field_ids):
     """tokens [B, N, p^3 C], coords int [B, N, 3], field_ids int [B, N] -> [B, N, p^3, K]."""
-    checks.sequence("Pack3DSegmenter", "tokens", tokens, self.embed.shape[0])
+    checks.sequence("Pack3DSegmenter", "tokens", tokens, self.embed.shape[0], "p^3 C")
     dtype = self.dtype or jnp.float32
     x = tokens.astype(dtype) @ self.embed[...].astype(dtype) + self.embed_bias[...].astype(dtype)
     for block in self.blocks:
