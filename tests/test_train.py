@@ -19,11 +19,14 @@ from tests import binaries
 
 @pytest.fixture(scope="module", autouse=True)
 def compilation_cache(tmp_path_factory):
-  """Runs of the same config compile the same programs: cache them for this module."""
+  """Runs of the same config compile the same programs: cache them for the modules that use
+  this fixture (one directory for the session, so tests/test_trainer_crash.py hits it too)."""
   names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
            "jax_persistent_cache_min_entry_size_bytes")
   old = [getattr(jax.config, n) for n in names]
-  new = [str(tmp_path_factory.mktemp("jax_cache")), 0.0, 0]
+  cache = tmp_path_factory.getbasetemp() / "trainer_jax_cache"
+  cache.mkdir(exist_ok=True)
+  new = [str(cache), 0.0, 0]
   for n, v in zip(names, new):
     jax.config.update(n, v)
   yield

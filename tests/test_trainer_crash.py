@@ -40,9 +40,10 @@ nan_gradient_if.defvjp(lambda x, flag: (x, flag),
                        lambda flag, g: (jnp.where(flag, jnp.nan, g), None))
 
 
-def test_nan_gradients_with_a_finite_loss_stop_before_any_save(baseline, tmp_path):
+def test_nan_gradients_with_a_finite_loss_stop_before_any_save(tmp_path):
   """The issue's case (finite loss, NaN gradients) used to save a checkpoint full of NaN and
-  call it good: now the run stops at the step, and every checkpoint on disk is finite."""
+  call it good: now the run stops at the step, before saving anything after it (that a rerun
+  resumes from the good checkpoint is tests/test_train.py's NaN-loss test)."""
   c = config()
   task = lm_task.build_task(c)
 
@@ -57,8 +58,6 @@ def test_nan_gradients_with_a_finite_loss_stop_before_any_save(baseline, tmp_pat
                      match=r"grad_norm is nan at step 5 .*newest checkpoint, step 4"):
     trainer.fit(c, tmp_path, poisoned)
   assert checkpoint_names(tmp_path) == ["4"]
-  trainer.fit(c, tmp_path, task)            # resumes from step 4 as if nothing happened
-  assert losses(tmp_path) == losses(baseline[0])
 
 
 def test_a_non_finite_state_is_never_saved(tmp_path):

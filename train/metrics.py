@@ -39,7 +39,9 @@ class MetricWriter:
       return
     if self.path.exists():
       kept = [r for r in read_metrics(self.path) if r["step"] < resume_step]
-      self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+      trimmed = self.path.with_name(self.path.name + ".tmp")   # a kill here keeps the old file
+      trimmed.write_text("".join(json.dumps(r) + "\n" for r in kept))
+      trimmed.replace(self.path)
     self.tb = _EventFile(workdir / "tb", restart_step=resume_step)
 
   def write(self, step: int, row: dict) -> None:
