@@ -110,6 +110,20 @@ def frac_memory(d) -> str:
         ("lag " if recall else "gap ") + l for l in labels] + ["wall min"]
     out.append(f"**{task}**, L = {first['length']} (chance {first['chance']:.3f})\n\n"
                + _table(head, rows))
+  if "kernels_at_init" in d:
+    rows, lags = [], None
+    for key, k in d["kernels_at_init"].items():
+      if not key.startswith(("lag_recall/", "value_recall/")):
+        continue
+      lags = k["lags"][-4:] if lags is None else lags
+      for h, row in enumerate(k["kernel_over_k0"]):
+        rows.append([f"`{key}`", h, f"{k['alpha_init'][h]:.2f}", f"{k['dt_init'][h]:.2f}",
+                     k["num_modes"]] + [f"{x:.4f}" for x in row[-4:]])
+    if rows:
+      out.append("**Memory kernel at initialisation** (`--stages=kernels`): K(lag)/K(0) per "
+                 "head, u = lag x dt(init)\n\n" + _table(
+                     ["task/arm", "head", "alpha", "dt", "modes"]
+                     + [f"lag {l}" for l in lags], rows))
   return "\n\n".join(out)
 
 
