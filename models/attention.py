@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxops import checks
 from jaxops.rope import rope_1d
-from models.partitioning import constrain
+from models.partitioning import constrain, param
 
 
 class CausalAttention(nnx.Module):
@@ -39,9 +39,10 @@ class CausalAttention(nnx.Module):
     d_h = d_model // num_heads
     self.num_heads, self.context, self.theta, self.dtype = num_heads, context, rope_theta, dtype
     init = jax.nn.initializers.normal(d_model ** -0.5)
-    self.wq, self.wk, self.wv = (nnx.Param(init(rngs.params(), (d_model, num_heads, d_h),
-                                                param_dtype)) for _ in range(3))
-    self.wo = nnx.Param(init(rngs.params(), (num_heads, d_h, d_model), param_dtype))
+    self.wq, self.wk, self.wv = (param(init(rngs.params(), (d_model, num_heads, d_h), param_dtype),
+                                       "embed", "heads", None) for _ in range(3))
+    self.wo = param(init(rngs.params(), (num_heads, d_h, d_model), param_dtype),
+                    "heads", None, "embed")
 
   def _qkv(self, x, positions):
     dtype = self.dtype or x.dtype

@@ -11,6 +11,7 @@ from jaxops import checks
 from jaxops import flash_ffn as ffn_ops
 from jaxops.rms_norm import rms_normalize_groups
 from models.impl import Impl, resolve_impl
+from models.partitioning import param
 from pallas_kernels import flash_ffn as ffn_kernel
 
 
@@ -97,15 +98,21 @@ class FlashFFN(nnx.Module):
         num_heads, resolve_impl("FlashFFN", impl), chunk, dtype)
     self.interpret = interpret
     table = jax.nn.initializers.normal(0.02)
-    self.w_in = nnx.Param(_xavier(0.707)(rngs.params(), (d_model, d_model), param_dtype))
-    self.norm_gain = (nnx.Param(jnp.ones((num_heads, d_h), param_dtype)) if head_norm else None)
-    self.router = nnx.Param(jax.nn.initializers.truncated_normal(0.02)(
-        rngs.params(), (num_heads, d_h, num_experts), param_dtype))
+    # logical axes (models.partitioning): the H d_h columns of W_in / rows of W_out and the
+    # leading H of the per-head tables are heads (split over "tensor"), the rest over "fsdp"
+    self.w_in = param(_xavier(0.707)(rngs.params(), (d_model, d_model), param_dtype),
+                      "embed", "heads")
+    self.norm_gain = (param(jnp.ones((num_heads, d_h), param_dtype), "heads", "head_dim")
+                      if head_norm else None)
+    self.router = param(jax.nn.initializers.truncated_normal(0.02)(
+        rngs.params(), (num_heads, d_h, num_experts), param_dtype), "heads", "head_dim", None)
     shape = (num_heads, num_experts, d_expert, d_h)
-    self.k = nnx.Param(table(rngs.params(), shape, param_dtype))
-    self.u = nnx.Param(table(rngs.params(), shape, param_dtype))
-    self.v = nnx.Param(table(rngs.params(), shape, param_dtype))
-    self.w_out = nnx.Param(_xavier(0.707)(rngs.params(), (d_model, d_model), param_dtype))
+    table_axes = ("heads", None, "expert_mlp", None)
+    self.k = param(table(rngs.params(), shape, param_dtype), *table_axes)
+    self.u = param(table(rngs.params(), shape, param_dtype), *table_axes)
+    self.v = param(table(rngs.params(), shape, param_dtype), *table_axes)
+    self.w_out = param(_xavier(0.707)(rngs.params(), (d_model, d_model), param_dtype),
+                       "heads", "embed")
 
   def _folded(self, dtype):
     """(router, k, u, v) with the head-norm gain g folded in.
@@ -149,9 +156,9 @@ class SwiGLU(nnx.Module):
     checks.ints("SwiGLU", dict(d_model=d_model, d_ff=d_ff))
     init = jax.nn.initializers.lecun_normal()
     self.dtype = dtype
-    self.w_gate = nnx.Param(init(rngs.params(), (d_model, d_ff), param_dtype))
-    self.w_up = nnx.Param(init(rngs.params(), (d_model, d_ff), param_dtype))
-    self.w_down = nnx.Param(init(rngs.params(), (d_ff, d_model), param_dtype))
+    self.w_gate = param(init(rngs.params(), (d_model, d_ff), param_dtype), "embed", "mlp")
+    self.w_up = param(init(rngs.params(), (d_model, d_ff), param_dtype), "embed", "mlp")
+    self.w_down = param(init(rngs.params(), (d_ff, d_model), param_dtype), "mlp", "embed")
 
   def __call__(self, x):
     """x [..., d] -> [..., d]."""

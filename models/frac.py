@@ -13,6 +13,7 @@ from jaxops import checks
 from jaxops import frac as frac_ops
 from jaxops.rms_norm import rms_normalize
 from models.impl import Impl, resolve_impl
+from models.partitioning import param
 from pallas_kernels import frac_scan as frac_kernel
 
 _F32 = jnp.float32
@@ -83,17 +84,20 @@ class FRACMixer(nnx.Module):
     d_inner = num_heads * head_dim
     conv_dim = d_inner + 2 * state_dim
     lecun = jax.nn.initializers.lecun_normal()
-    self.in_proj = nnx.Param(lecun(rngs.params(), (d_model, 2 * d_inner + 2 * state_dim
-                                                    + num_heads), param_dtype))
-    self.conv_weight = nnx.Param(jax.random.uniform(
-        rngs.params(), (conv_width, conv_dim), param_dtype, -1.0, 1.0) / math.sqrt(conv_width))
-    self.conv_bias = nnx.Param(jnp.zeros((conv_dim,), param_dtype))
+    # logical axes (models.partitioning): in_proj's columns pack [z, x, B, C, dt] ("mlp",
+    # split over "tensor"), out_proj's rows are the H head_dim head channels ("heads")
+    self.in_proj = param(lecun(rngs.params(), (d_model, 2 * d_inner + 2 * state_dim
+                                                + num_heads), param_dtype), "embed", "mlp")
+    self.conv_weight = param(jax.random.uniform(
+        rngs.params(), (conv_width, conv_dim), param_dtype, -1.0, 1.0) / math.sqrt(conv_width),
+        None, "channels")
+    self.conv_bias = param(jnp.zeros((conv_dim,), param_dtype), "channels")
     dt = jnp.exp(jax.random.uniform(rngs.params(), (num_heads,), _F32, math.log(0.5),
                                     math.log(2.0)))
-    self.dt_bias = nnx.Param(_inverse_softplus(dt).astype(param_dtype))
+    self.dt_bias = param(_inverse_softplus(dt).astype(param_dtype), "heads")
     if mamba2:
       log_a = jnp.linspace(0.0, -math.log(context), num_heads)
-      self.log_timescale = nnx.Param(log_a.astype(param_dtype))
+      self.log_timescale = param(log_a.astype(param_dtype), "heads")
       self.alpha_logit = None
     else:
       lo = max(0.2, alpha_min)
@@ -105,11 +109,12 @@ class FRACMixer(nnx.Module):
         raise ValueError(f"FRACMixer: `alpha_init` must lie in [alpha_min={alpha_min}, 1],"
                          f" got {alpha}")
       frac = jnp.clip((alpha - alpha_min) / (1 - alpha_min), 1e-3, 1 - 1e-3)
-      self.alpha_logit = nnx.Param(_logit(frac).astype(param_dtype))
-      self.log_timescale = nnx.Param(jnp.zeros((num_heads,), param_dtype))
-    self.skip = nnx.Param(jnp.ones((num_heads,), param_dtype))
-    self.norm_gain = nnx.Param(jnp.ones((d_inner,), param_dtype))
-    self.out_proj = nnx.Param(lecun(rngs.params(), (d_inner, d_model), param_dtype))
+      self.alpha_logit = param(_logit(frac).astype(param_dtype), "heads")
+      self.log_timescale = param(jnp.zeros((num_heads,), param_dtype), "heads")
+    self.skip = param(jnp.ones((num_heads,), param_dtype), "heads")
+    self.norm_gain = param(jnp.ones((d_inner,), param_dtype), "channels")
+    self.out_proj = param(lecun(rngs.params(), (d_inner, d_model), param_dtype),
+                          "heads", "embed")
 
   # --------------------------------------------------------------------------- pieces
 

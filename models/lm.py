@@ -22,7 +22,7 @@ from models.attention import CausalAttention
 from models.block import FFNS, Block, make_ffn
 from models.impl import Impl, resolve_impl
 from models.norm import RMSNorm
-from models.partitioning import constrain
+from models.partitioning import constrain, param
 
 MIXERS = ("attention", "frac", "mamba2")
 
@@ -66,7 +66,7 @@ class LanguageModel(nnx.Module):
                                       num_heads=num_heads, context=context,
                                       vocab_size=vocab_size))
     self.mixer_kind, self.context, self.dtype = mixer, context, dtype
-    self.embed = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, d_model)))
+    self.embed = param(jax.random.normal(rngs.params(), (vocab_size, d_model)), "vocab", "embed")
     self.blocks = nnx.List([
         Block(make_mixer(mixer, d_model, num_heads, context=context, impl=impl,
                          interpret=interpret, dtype=dtype, options=dict(mixer_options or {}),
@@ -76,7 +76,8 @@ class LanguageModel(nnx.Module):
               d_model)
         for _ in range(num_layers)])
     self.norm = RMSNorm(d_model)
-    self.head = nnx.Param(jax.random.normal(rngs.params(), (d_model, vocab_size)) * d_model ** -0.5)
+    self.head = param(jax.random.normal(rngs.params(), (d_model, vocab_size)) * d_model ** -0.5,
+                      "embed", "vocab")
 
   def _logits(self, x):
     x = self.norm(x)

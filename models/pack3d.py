@@ -12,6 +12,7 @@ from jaxops import checks
 from jaxops import pack3d as pack3d_ops
 from jaxops import rope
 from models.impl import Impl, resolve_impl
+from models.partitioning import param
 from pallas_kernels import pack3d_attention as pack3d_kernel
 
 Position = Literal["axial_rope", "learned_packed", "rope_packed", "none"]
@@ -85,12 +86,16 @@ class Pack3DAttention(nnx.Module):
                           summary_rope=self.rope if rotate_summaries == "after" else None)
     self.max_cubes, self.dtype = max_cubes, dtype
     xavier = jax.nn.initializers.xavier_uniform()
-    self.w_qkv = nnx.Param(xavier(rngs.params(), (d_model, 3 * d_model), param_dtype))
-    self.w_out = nnx.Param(xavier(rngs.params(), (d_model, d_model), param_dtype))
-    self.pos_embedding = (nnx.Param(jax.nn.initializers.normal(0.02)(
-        rngs.params(), (max_len, d_model), param_dtype)) if position == "learned_packed" else None)
-    self.w_gate = (nnx.Param(xavier(rngs.params(), (d_model, 2 * num_heads), param_dtype))
-                   if merge == "gated" else None)
+    # logical axes (models.partitioning): w_qkv's columns are [q | k | v] each H d_h wide
+    # ("mlp", split over "tensor"), w_out's rows the H d_h head channels ("heads")
+    self.w_qkv = param(xavier(rngs.params(), (d_model, 3 * d_model), param_dtype),
+                       "embed", "mlp")
+    self.w_out = param(xavier(rngs.params(), (d_model, d_model), param_dtype), "heads", "embed")
+    self.pos_embedding = (param(jax.nn.initializers.normal(0.02)(
+        rngs.params(), (max_len, d_model), param_dtype), None, "embed")
+        if position == "learned_packed" else None)
+    self.w_gate = (param(xavier(rngs.params(), (d_model, 2 * num_heads), param_dtype),
+                         "embed", "heads") if merge == "gated" else None)
 
   def _attend(self, q, k, v, coords, field_ids, gates):
     if self.impl == "pallas":

@@ -1,19 +1,20 @@
 """Logical axis names for parameters and activations, and their mapping onto the mesh.
 
 The mesh has three axes, ("data", "fsdp", "tensor"). Every parameter of the models in `models/`
-gets a tuple of logical axis names (one per dimension) from `PARAM_AXES`, keyed by the owning
-module's class name and the attribute name; activations are constrained with `constrain(x, names)`.
-`RULES` maps a logical name to mesh axes:
+carries its own logical axis names, one per dimension, as metadata (`param(value, *names)`: the
+`out_sharding` metadata of `nnx.with_partitioning`); activations are constrained with
+`constrain(x, names)`. `RULES` maps a logical name to mesh axes:
 
   batch                   -> ("data", "fsdp")   batch split over data * fsdp
-  embed, expert_mlp       -> "fsdp"             parameters sharded (ZeRO-3 style) over fsdp
+  embed, expert_mlp,      -> "fsdp"             parameters sharded (ZeRO-3 style) over fsdp
+    head_dim
   vocab, heads, mlp       -> "tensor"           tensor parallelism (Megatron-style column/row)
+  channels                -> ("fsdp", "tensor") per-channel vectors (norm gains, biases)
   act_heads, act_vocab    -> "tensor"
   anything else           -> replicated
 
 A dimension that the mapped mesh axes do not divide, or whose mesh axis an earlier dimension
-already uses, stays replicated, so any shape is legal. Parameters of classes missing from
-`PARAM_AXES` are replicated.
+already uses, stays replicated, so any shape is legal. Parameters without names are replicated.
 
 Pallas kernels cannot be auto-partitioned, so layers that call one run through `shard_layer`:
 under `jax.shard_map` with the batch split over ("data", "fsdp") and, for token-wise layers,
@@ -27,6 +28,7 @@ import math
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -37,29 +39,14 @@ RULES: dict[str, tuple[str, ...]] = {
     "batch": BATCH_AXES,
     "embed": ("fsdp",),
     "expert_mlp": ("fsdp",),
+    "head_dim": ("fsdp",),
+    "channels": ("fsdp", "tensor"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "mlp": ("tensor",),
     "act_heads": ("tensor",),
     "act_vocab": ("tensor",),
 }
-
-_W_IN = {"w_in": ("embed", "mlp"), "w_out": ("mlp", "embed")}
-PARAM_AXES: dict[str, dict[str, tuple]] = {
-    # The embedding table stays replicated: XLA rematerializes a gather from a sharded table.
-    "LanguageModel": {"embed": (None, None), "head": ("embed", "vocab")},
-    "RMSNorm": {"scale": (None,)},
-    "CausalAttention": {"wq": ("embed", "heads", None), "wk": ("embed", "heads", None),
-                        "wv": ("embed", "heads", None), "wo": ("heads", None, "embed")},
-    "SwiGLU": {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")},
-    "FlashFFN": {**_W_IN, "router": ("heads", None, None), "norm_gain": (None, None),
-                 "k": ("heads", None, "expert_mlp", None), "u": ("heads", None, "expert_mlp", None),
-                 "v": ("heads", None, "expert_mlp", None)},
-    "FRACMixer": {"in_proj": ("embed", None), "out_proj": (None, "embed")},
-    "Pack3DAttention": {"w_qkv": ("embed", None), "w_out": (None, "embed")},
-    "Pack3DSegmenter": {"embed": (None, "embed"), "head": ("embed", None)},
-}
-
 
 def spec_for(names: Sequence[str | None], shape: Sequence[int], mesh) -> P:
   """PartitionSpec for an array of `shape` whose dimensions carry logical `names`."""
@@ -76,18 +63,30 @@ def spec_for(names: Sequence[str | None], shape: Sequence[int], mesh) -> P:
   return P(*spec)
 
 
+def param(value: jax.Array, *names: str | None) -> nnx.Param:
+  """nnx.Param carrying its logical axis `names` (one per dimension) as `out_sharding` metadata,
+  the metadata `nnx.with_partitioning` sets (read back by `nnx.get_partition_spec`).
+
+  The names are logical, so flax's eager sharding is off for them (`eager_sharding=False`): the
+  layer builds the same with or without a mesh, and `train.sharding.init_sharded` maps the
+  names onto the mesh with `RULES` when it creates the parameters under `jax.jit`.
+  """
+  if len(names) != jnp.ndim(value):
+    raise ValueError(f"logical axes {names} do not match shape {jnp.shape(value)}")
+  return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def logical_axes(variable: nnx.Variable) -> tuple:
+  """The logical axis names of `variable` (its `out_sharding` metadata); all None (replicated)
+  for a variable without them."""
+  names = variable.get_metadata("out_sharding", None)
+  return tuple(names) if names else (None,) * variable.ndim
+
+
 def param_logical_axes(model: nnx.Module) -> dict[tuple, tuple]:
-  """{path of each nnx.Param: its logical axis names} (replicated names for unknown classes)."""
-  modules, axes = {}, {}
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Module):
-      modules[path] = node
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, nnx.Param):
-      owner = modules.get(path[:-1])
-      table = PARAM_AXES.get(type(owner).__name__, {})
-      axes[path] = table.get(path[-1], (None,) * node.ndim)
-  return axes
+  """{path of each nnx.Param: its logical axis names}, read from the parameters' metadata."""
+  return {path: logical_axes(node) for path, node in nnx.iter_graph(model)
+          if isinstance(node, nnx.Param)}
 
 
 def _active_mesh():

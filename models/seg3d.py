@@ -21,6 +21,7 @@ from jaxops import checks, packing
 from models.block import FFNS, Block, make_ffn
 from models.impl import Impl
 from models.norm import RMSNorm
+from models.partitioning import param
 
 
 class Pack3DSegmenter(nnx.Module):
@@ -51,9 +52,9 @@ class Pack3DSegmenter(nnx.Module):
     checks.zyx("Pack3DSegmenter", "patch", patch)
     self.patch, self.num_classes, self.dtype = tuple(patch), num_classes, dtype
     voxels = math.prod(patch)
-    self.embed = nnx.Param(jax.random.normal(rngs.params(), (voxels * in_channels, d_model))
-                           * (voxels * in_channels) ** -0.5)
-    self.embed_bias = nnx.Param(jnp.zeros((d_model,)))
+    self.embed = param(jax.random.normal(rngs.params(), (voxels * in_channels, d_model))
+                       * (voxels * in_channels) ** -0.5, "vocab", "embed")
+    self.embed_bias = param(jnp.zeros((d_model,)), "channels")
     self.blocks = nnx.List([
         Block(Pack3DAttention(d_model, num_heads, impl=impl, interpret=interpret, dtype=dtype,
                               rngs=rngs, **(attention_options or {})),
@@ -62,8 +63,8 @@ class Pack3DSegmenter(nnx.Module):
               d_model)
         for _ in range(depth)])
     self.norm = RMSNorm(d_model)
-    self.head = nnx.Param(jax.random.normal(rngs.params(), (d_model, voxels * num_classes))
-                          * d_model ** -0.5)
+    self.head = param(jax.random.normal(rngs.params(), (d_model, voxels * num_classes))
+                      * d_model ** -0.5, "embed", "vocab")
 
   def __call__(self, tokens, coords, field_ids):
     """tokens [B, N, p^3 C], coords int [B, N, 3], field_ids int [B, N] -> [B, N, p^3, K]."""

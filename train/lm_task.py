@@ -21,21 +21,25 @@ import optax
 from flax import nnx
 
 from models.lm import LanguageModel
-from train import trainer
+from train import sharding, trainer
 from train.data import synthetic, text
 from train.errors import UsageError
 
 
 def make_model(config) -> LanguageModel:
-  """LanguageModel from config.model; UsageError naming config.model if it cannot be built.
+  """LanguageModel from config.model, its parameters created already sharded over the config's
+  mesh (train.sharding.init_sharded: under jax.jit, each device computes only its shards);
+  UsageError naming config.model if it cannot be built.
 
   Initialisation draws from the "rbg" PRNG: it compiles ~4x faster than threefry on CPU.
   """
   kwargs = config.model.to_dict()
   kwargs["impl"] = trainer.resolve_impl(kwargs["impl"])
+  mesh = sharding.make_mesh(config.mesh)
   try:
-    return LanguageModel(**kwargs, dtype=trainer.compute_dtype(config),
-                         rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")))
+    return sharding.init_sharded(
+        lambda: LanguageModel(**kwargs, dtype=trainer.compute_dtype(config),
+                              rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg"))), mesh)
   except (ValueError, TypeError, ImportError) as e:
     raise UsageError(f"config.model is invalid: {e}") from e
 

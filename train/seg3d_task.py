@@ -21,7 +21,7 @@ from flax import nnx
 
 from models.seg3d import Pack3DSegmenter
 from models.unet3d import UNet3D, param_count, unet3d_matching
-from train import trainer
+from train import sharding, trainer
 from train.data import volumes
 from train.errors import UsageError
 
@@ -61,20 +61,23 @@ def _pack3d(config, dtype):
 
 
 def make_model(config) -> nnx.Module:
-  """The model config.model.kind; UsageError naming config.model if it cannot be built."""
+  """The model config.model.kind, its parameters created already sharded over the config's mesh
+  (train.sharding.init_sharded); UsageError naming config.model if it cannot be built."""
   kind = config.model.kind
   if kind not in KINDS:
     raise UsageError(f"config.model.kind must be one of {KINDS}, got {kind!r}")
   dtype = trainer.compute_dtype(config)
+  mesh = sharding.make_mesh(config.mesh)
   try:
     if kind == "pack3d":
-      return _pack3d(config, dtype)
+      return sharding.init_sharded(lambda: _pack3d(config, dtype), mesh)
     base = config.model.unet.base_channels or unet3d_matching(
         param_count(nnx.eval_shape(lambda: _pack3d(config, dtype))),
         levels=config.model.unet.levels, num_classes=volumes.NUM_CLASSES)
-    return UNet3D(in_channels=1, num_classes=volumes.NUM_CLASSES, base_channels=base,
-                  levels=config.model.unet.levels, dtype=dtype,
-                  rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")))
+    return sharding.init_sharded(
+        lambda: UNet3D(in_channels=1, num_classes=volumes.NUM_CLASSES, base_channels=base,
+                       levels=config.model.unet.levels, dtype=dtype,
+                       rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg"))), mesh)
   except (ValueError, TypeError, ImportError) as e:
     raise UsageError(f"config.model is invalid: {e}") from e
 

@@ -2,19 +2,31 @@
 
 config.mesh = {data, fsdp, tensor}: sizes of the mesh axes; one of them may be -1 (fills the
 rest). The product must divide the device count; the mesh takes the first `product` devices.
-Logical axis names and their mapping are in `models.partitioning`.
+
+Parameters carry their logical axis names as metadata (`models.partitioning.param`, the
+`out_sharding` metadata of `nnx.with_partitioning`); `RULES` (defined beside the models, which
+also constrain activations with it) maps them onto the mesh:
+
+  batch -> (data, fsdp); embed, expert_mlp, head_dim -> fsdp; heads, mlp, vocab -> tensor;
+  channels (norm gains, biases) -> (fsdp, tensor); a dimension they do not divide is replicated.
+
+So each parameter is held once across an fsdp x tensor group and replicated over data only.
+`init_sharded` creates a model's parameters directly in that layout, under `jax.jit`.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.partitioning import BATCH_AXES, MESH_AXES, param_logical_axes, spec_for
+from flax import nnx
+
+from models.partitioning import BATCH_AXES, MESH_AXES, RULES, logical_axes, spec_for  # noqa: F401
 from train.errors import UsageError
 
 
@@ -42,15 +54,39 @@ def make_mesh(mesh_config) -> Mesh:
 
 
 def param_shardings(model, params, mesh: Mesh):
-  """NamedShardings (same tree as `params` = nnx.state(model, nnx.Param)) from the logical axes."""
-  axes = param_logical_axes(model)
+  """NamedShardings for `params` (= nnx.state(model, nnx.Param), same tree) from the logical
+  axes each parameter carries. `model` is unused (kept for callers)."""
+  del model
+  return state_shardings(params, mesh)
 
-  def one(path, x):
-    keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path
-                 if not isinstance(k, jax.tree_util.GetAttrKey))
-    return NamedSharding(mesh, spec_for(axes[keys], x.shape, mesh))
 
-  return jax.tree_util.tree_map_with_path(one, params)
+def state_shardings(state, mesh: Mesh):
+  """NamedShardings (same tree as the nnx.State `state`, concrete or abstract): by each
+  variable's logical axes through RULES; variables without any (and non-Param state) are
+  replicated."""
+  def one(variable):
+    return variable.replace(NamedSharding(mesh, spec_for(logical_axes(variable),
+                                                         variable.shape, mesh)))
+
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def init_sharded(make_model: Callable[[], nnx.Module], mesh: Mesh) -> nnx.Module:
+  """make_model() with every parameter created already sharded over `mesh`.
+
+  The flax pattern: nnx.eval_shape for the shapes and logical axes (nothing allocated), then
+  the constructor runs under jax.jit with out_shardings from them, so each device only ever
+  holds its own shards (no eager single-device initialisation). Arguments errors of the
+  constructor surface from the eval_shape, as they would eagerly. The random streams are the
+  same as an eager construction's (partitionable PRNG), so the values do not depend on the mesh.
+  """
+  abstract = nnx.eval_shape(make_model)
+  graphdef, abstract_state = nnx.split(abstract)
+  shardings = state_shardings(abstract_state, mesh)
+  init = jax.jit(lambda: nnx.split(make_model())[1], out_shardings=shardings)
+  with jax.set_mesh(mesh):
+    state = init()
+  return nnx.merge(graphdef, state)
 
 
 def put_batch(batch: dict, mesh: Mesh) -> dict:
