@@ -10,7 +10,10 @@ import sys
 
 import pytest
 
+from configs import lm_smoke
 from tests.binaries import REPO
+from train import trainer
+from train.errors import UsageError
 
 LM, SEG = ("train.train_lm", "configs/lm_smoke.py"), ("train.train_seg3d", "configs/seg3d_smoke.py")
 CORPUS = REPO / "README.md"
@@ -108,3 +111,13 @@ def test_bad_input_is_one_clear_line(results, name, expected):
 def test_an_unwritable_workdir_fails_before_anything_slow(results):
   """It used to fail only after building and compiling the model (~15 s)."""
   assert results["unwritable_workdir"]["seconds"] < 3.0
+
+
+@pytest.mark.parametrize("field", ["keep_checkpoints", "optim.clip_norm", "mesh.tensor"])
+def test_a_config_file_without_a_field_names_it(field):
+  """A typo in a config file's field name used to surface as a KeyError traceback."""
+  c = lm_smoke.get_config()
+  parent, _, leaf = field.rpartition(".")
+  del (c[parent] if parent else c)[leaf]
+  with pytest.raises(UsageError, match=f"config.{field} is missing"):
+    trainer.check_config(c)

@@ -17,6 +17,7 @@ Crash safety (every checkpoint on disk is complete and finite):
   from that step is saved; a non-finite state at a save raises NonFiniteStateError instead;
 - SIGTERM or SIGINT saves the current step once and returns normally (FitResult.stopped names
   the signal); a save in flight is finished first, so the rerun resumes from the newest step;
+  with several processes (multi-host) a signal to any of them stops all after the same step;
 - a damaged newest checkpoint is set aside and the next older one restored (train.checkpoints);
   checkpoints of another model raise a UsageError saying what differs.
 """
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -92,8 +94,22 @@ def compute_dtype(config):
   return COMPUTE_DTYPES[config.compute_dtype]
 
 
+# The fields fit reads (configs/lm_smoke.py shows them with the tasks' own).
+REQUIRED_FIELDS = ("steps", "batch_size", "compute_dtype", "log_every", "eval_every",
+                   "eval_batches", "checkpoint_every", "keep_checkpoints",
+                   *(f"mesh.{a}" for a in sharding.MESH_AXES),
+                   *(f"optim.{k}" for k in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay",
+                                            "b1", "b2", "clip_norm")))
+
+
 def check_config(config) -> None:
-  """UsageError naming the first bad generic field (mesh, batch, intervals, optimizer, dtype)."""
+  """UsageError naming the first missing or bad generic field (mesh, batch, intervals,
+  optimizer, dtype)."""
+  for field in REQUIRED_FIELDS:
+    parent, _, leaf = field.rpartition(".")
+    if leaf not in (config[parent] if parent else config):
+      raise UsageError(f"config.{field} is missing: a config file must set every field that "
+                       "configs/lm_smoke.py sets")
   for name in ("steps", "batch_size", "log_every", "eval_every", "eval_batches",
                "checkpoint_every", "keep_checkpoints"):
     value = config[name]
@@ -149,7 +165,19 @@ class _StopSignals:
   """
 
   def __init__(self):
-    self.name, self._previous = None, {}
+    self.name, self.agreed, self._previous = None, None, {}
+
+  def agree(self) -> str | None:
+    """-> `agreed`: the signal to stop for after this step, the same on every process. `name`
+    is read once (a signal later in the step waits a step); with several processes, any
+    process's signal counts (a scalar all-gather per step: saving is collective, so all must
+    stop at the same step)."""
+    name = self.name
+    if jax.process_count() > 1:
+      codes = multihost_utils.process_allgather(np.int32(signal.Signals[name] if name else 0))
+      name = signal.Signals(int(codes.max())).name if codes.max() else None
+    self.agreed = name
+    return name
 
   def __enter__(self):
     if threading.current_thread() is threading.main_thread():
@@ -265,7 +293,7 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
             loss = record(*pending)        # one step behind: the host check overlaps the next step
           pending = (step, step_metrics)
           done = step + 1
-          stopping = stop.name is not None   # read once: a signal later in this step waits a step
+          stopping = stop.agree() is not None
           save = checkpoints.due(done) or stopping
           if done % config.eval_every == 0 or save:
             loss, pending = record(*pending), None
@@ -282,7 +310,7 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
         checkpoints.close()              # waits for a save in flight
         writer.close()
     summary = {"final_loss": loss, "eval_loss": eval_loss, "steps_per_s": bar.rate}
-    stopped = stop.name if done < config.steps else None
+    stopped = stop.agreed if done < config.steps else None
     if stopped:
       print(f"{stopped}: stopped after {done} of {config.steps} steps; checkpoint "
             f"{checkpoints.latest_step()} is saved in {checkpoints.directory}; rerun the same "
