@@ -1,0 +1,139 @@
+"""Multi-host on JAX's own runtime: the LM binary as two processes on this machine.
+
+Two `python -m train.train_lm` processes (2 CPU devices each, a localhost coordinator,
+jax.distributed.initialize, gloo collectives) train the mesh data=2 x fsdp=2, the data axis
+across the processes. Their logged losses must equal a single-process run of the same config on
+4 devices, the checkpoint they write together must resume in one process, and a SIGTERM to one
+of them must stop both after the same step, saved.
+
+Slow (35-110 s and 26-66 s on the shared 2-core CPU, by load): each process starts JAX and
+compiles.
+"""
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from ml_collections import ConfigDict
+
+from configs import lm_smoke
+from tests.binaries import REPO
+from tests.test_train import compilation_cache  # noqa: F401  (autouse: the session's cache)
+from train import lm_task, trainer
+from train.metrics import read_metrics
+
+STEPS = 3                    # the two processes train 3 steps; the single process goes on to 5
+OVERRIDES = {                # tiny model, one eval batch, a checkpoint at the end
+    "steps": STEPS, "eval_every": STEPS, "eval_batches": 1, "checkpoint_every": STEPS,
+    "optim.warmup_steps": 2, "data.max_bytes": 100_000, "sample.num_tokens": 4,
+    "model.context": 16, "model.d_model": 16, "model.ffn_options.d_ff": 32,
+    "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 1}
+TIMEOUT_S = 300              # both processes, start-up and compiling included (~100 s loaded)
+# float32 through another all-reduce (gloo between processes, XLA's within one): the gradients
+# are summed in another order; observed differences are up to 2e-7 relative after a few steps
+RTOL = 1e-5
+
+
+def config(**changes) -> ConfigDict:
+  c = lm_smoke.get_config()
+  c.update_from_flattened_dict({**OVERRIDES, **changes})
+  return c
+
+
+def rows(workdir, key):
+  return [r[key] for r in read_metrics(workdir / "metrics.jsonl") if key in r]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def start_two_processes(workdir, logdir, *, slow_step_s=0.0, **changes):
+  """Both processes of `python -m train.train_lm` with the same flags but --process_id (through
+  tests.slow_binary, each batch `slow_step_s` slower, if given) -> ([Popen], [log path])."""
+  flags = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **changes}.items()]
+  module = ["tests.slow_binary", "train.train_lm"] if slow_step_s else ["train.train_lm"]
+  common = [sys.executable, "-m", *module, "--config=configs/lm_smoke.py", *flags,
+            f"--workdir={workdir}", f"--coordinator_address=localhost:{free_port()}",
+            "--num_processes=2"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "SLOW_STEP_S": str(slow_step_s),
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}   # not the suite's 8
+  logs = [logdir / f"process_{i}.log" for i in range(2)]
+  procs = []
+  for i, log in enumerate(logs):
+    with log.open("w") as f:
+      procs.append(subprocess.Popen([*common, f"--process_id={i}"], cwd=REPO, env=env,
+                                    stdout=f, stderr=subprocess.STDOUT))
+  return procs, logs
+
+
+def finish(procs, logs, deadline) -> list[str]:
+  """Waits for both processes until `deadline` (time.monotonic()); asserts both exit 0, killing
+  both if one fails or time runs out (so a test never hangs); -> their logs."""
+  try:
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+      if any(p.poll() not in (None, 0) for p in procs):
+        break                      # one failed: the other would wait for it until its timeout
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+  status = [p.returncode for p in procs]
+  assert status == [0, 0], "\n".join(
+      f"process {i} (status {s}):\n{log.read_text()[-3000:]}"
+      for i, (s, log) in enumerate(zip(status, logs)))
+  return [log.read_text() for log in logs]
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process(tmp_path):
+  multi = tmp_path / "multi"
+  outputs = finish(*start_two_processes(multi, tmp_path), time.monotonic() + TIMEOUT_S)
+  assert all("connected to 1 peer" in out for out in outputs)          # gloo, two processes
+
+  single = tmp_path / "single"            # one process, 4 of the suite's 8 devices, 5 steps
+  c = config(steps=STEPS + 2)
+  trainer.fit(c, single, lm_task.build_task(c))
+
+  np.testing.assert_allclose(rows(multi, "loss"), rows(single, "loss")[:STEPS], rtol=RTOL)
+  np.testing.assert_allclose(rows(multi, "eval_loss"), rows(single, "eval_loss")[:1], rtol=RTOL)
+  # one writer (process 0): one row per step; the checkpoint holds both processes' shards
+  assert rows(multi, "step") == [0, 1, 2, 2]
+  assert sorted(p.name for p in (multi / "checkpoints").iterdir()) == [str(STEPS)]
+  assert (multi / "sample.txt").exists() and (multi / "summary.json").exists()
+
+  # the two processes' checkpoint resumes in one process and continues the single run's losses
+  resumed = tmp_path / "resumed"
+  shutil.copytree(multi, resumed)
+  trainer.fit(c, resumed, lm_task.build_task(c))
+  np.testing.assert_allclose(rows(resumed, "loss"), rows(single, "loss"), rtol=RTOL)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
+  """Saving is collective: a process that stopped alone would wait for the others forever."""
+  procs, logs = start_two_processes(tmp_path / "run", tmp_path, slow_step_s=0.5, steps=20,
+                                    checkpoint_every=100, **{"sample.num_tokens": 0})
+  deadline = time.monotonic() + TIMEOUT_S
+  while " 3/20 " not in logs[1].read_text() and time.monotonic() < deadline:
+    if any(p.poll() is not None for p in procs):
+      break
+    time.sleep(0.2)
+  if procs[1].poll() is None:
+    procs[1].send_signal(signal.SIGTERM)                              # process 1 only
+  outputs = finish(procs, logs, deadline)
+  stopped = [re.findall(r"SIGTERM: stopped after (\d+) of 20 steps", out) for out in outputs]
+  assert stopped[0] == stopped[1] and len(stopped[0]) == 1, outputs
+  step = stopped[0][0]
+  assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [step]
