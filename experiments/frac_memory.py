@@ -134,7 +134,9 @@ def evaluate(task: str, t, model, config) -> dict:
           "accuracy": float(correct.mean()), "chance": 1.0 / ((t.vocab - synthetic.FIRST) // 2)}
 
 
-def train_stage(base, tasks, arms, seeds, results, runs_dir) -> None:
+def train_stage(base, tasks, arms, seeds, results, runs_dir, name: str = NAME) -> None:
+  """Trains every (task, arm, seed) not in `results`, in runs_dir/<name>/<task>/<arm>/seed<k>
+  (`name` = the results file's: a side study must not resume the main study's checkpoints)."""
   for task in tasks:
     t = base.experiment.tasks[task]
     for seed in seeds:
@@ -155,7 +157,7 @@ def train_stage(base, tasks, arms, seeds, results, runs_dir) -> None:
                    f"mixer_options {dict(config.model.mixer_options)}")
         task_obj = trainer.Task(model=model, loss_fn=lm_task.lm_loss, train_batch=train_batch,
                                 eval_batch=eval_batch, tokens_per_batch=t.batch * t.length)
-        workdir = runs_dir / NAME / task / arm / f"seed{seed}"
+        workdir = runs_dir / name / task / arm / f"seed{seed}"
         load0, t0 = common.machine_load(), time.perf_counter()
         fit = trainer.fit(config, workdir, task_obj)
         wall = time.perf_counter() - t0
@@ -252,7 +254,7 @@ def main(argv):
   common.record_command(results)
   stages = F.stages.split(",")
   if "train" in stages:
-    train_stage(base, tasks, arms, seeds, results, pathlib.Path(F.runs_dir))
+    train_stage(base, tasks, arms, seeds, results, pathlib.Path(F.runs_dir), F.name)
   if "kernels" in stages:
     kernels_stage(base, tasks, arms, results)
   if "plot" in stages:
