@@ -3,8 +3,8 @@
 Block:  x = x + mixer(RMSNorm(x), *context);  x = x + ffn(RMSNorm(x)),  x [B, L, d].
 `context` is whatever else the mixer reads (Pack3D: coords, field_ids). Layers that call a
 Pallas kernel (their resolved `impl` is "pallas") run through `partitioning.shard_layer`
-(batch-split shard_map under a mesh); the FFN is token-wise, so it is also split along the
-sequence over the tensor axis.
+(batch-split shard_map under a mesh); FlashFFN runs on its local heads (split over the tensor
+axis), a token-wise FFN whose heads the tensor axis does not divide on a sequence split instead.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class Block(nnx.Module):
     x = x + (shard_layer(self.mixer, h, *context) if self.pallas_mixer
              else self.mixer(h, *context))
     h = self.norm2(x)
-    x = x + (shard_layer(self.ffn, h, split_seq=True) if self.pallas_ffn else self.ffn(h))
+    x = x + (shard_layer(self.ffn, h, split_seq=True, split_heads=True) if self.pallas_ffn
+             else self.ffn(h))
     return constrain(x, ("batch", "seq", None))
 
   def step(self, x_t, cache):

@@ -17,8 +17,10 @@ A dimension that the mapped mesh axes do not divide, or whose mesh axis an earli
 already uses, stays replicated, so any shape is legal. Parameters without names are replicated.
 
 Pallas kernels cannot be auto-partitioned, so layers that call one run through `shard_layer`:
-under `jax.shard_map` with the batch split over ("data", "fsdp") and, for token-wise layers,
-the sequence split over "tensor"; their parameters enter replicated (all-gathered at the edge).
+under `jax.shard_map` with the batch split over ("data", "fsdp"); FlashFFN's parameters enter
+split over "tensor" along their "heads" dimensions, so its kernel runs on the local heads. FRAC's
+and Pack3D's fused projections (in_proj [z, x, B, C, dt], w_qkv [q | k | v]) are not head-major,
+so those layers still get their parameters replicated (all-gathered at the edge).
 With no mesh in context (`jax.set_mesh`) every helper here is the identity.
 """
 
@@ -105,24 +107,49 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, spec_for(names, x.shape, mesh))
 
 
-def shard_layer(layer: nnx.Module, x: jax.Array, *extra: jax.Array, split_seq: bool = False):
+def _heads_spec(variable: nnx.Variable, tensor: int) -> P | None:
+  """P with "tensor" on the dimensions named "heads" (None if one is not divisible)."""
+  names = logical_axes(variable)
+  if any(n == "heads" and size % tensor for n, size in zip(names, variable.shape)):
+    return None
+  return P(*("tensor" if n == "heads" else None for n in names))
+
+
+def shard_layer(layer: nnx.Module, x: jax.Array, *extra: jax.Array, split_seq: bool = False,
+                split_heads: bool = False):
   """layer(x, *extra) under jax.shard_map when a mesh is active (for Pallas-kernel layers).
 
-  x [B, L, ...] and every `extra` [B, ...] are split over BATCH_AXES along B; with `split_seq`
-  (token-wise layers only) x is also split over "tensor" along L. Parameters are replicated
-  inside the map. The output has x's layout.
+  x [B, L, ...] and every `extra` [B, ...] are split over BATCH_AXES along B. With
+  `split_heads` (layers whose parameters name their "heads" dimensions in head-major blocks,
+  and whose output is the sum of per-head terms: FlashFFN), every parameter enters split over
+  "tensor" along its "heads" dimensions, so the layer and its kernel run on the local heads;
+  the per-device partial outputs are summed after the map. Otherwise (or when "tensor" does not
+  divide the heads) parameters enter replicated, and with `split_seq` (token-wise layers only)
+  x is also split over "tensor" along L. The output has x's layout.
   """
   mesh = _active_mesh()
   if mesh is None:
     return layer(x, *extra)
   graphdef, state = nnx.split(layer)
   x_spec = spec_for(("batch", "seq") + (None,) * (x.ndim - 2), x.shape, mesh)
-  if split_seq and x.shape[1] % mesh.shape["tensor"] == 0:
-    x_spec = P(x_spec[0], "tensor", *x_spec[2:])
   extra_specs = tuple(P(x_spec[0]) for _ in extra)
 
   def run(state, x, *extra):
     return nnx.merge(graphdef, state)(x, *extra)
 
+  tensor = mesh.shape["tensor"]
+  is_var = lambda v: isinstance(v, nnx.Variable)
+  if split_heads and tensor > 1:
+    specs = jax.tree.map(lambda v: _heads_spec(v, tensor), state, is_leaf=is_var)
+    if all(s is not None for s in jax.tree.leaves(specs)):
+      state_specs = jax.tree.map(lambda v: v.replace(_heads_spec(v, tensor)), state,
+                                 is_leaf=is_var)
+      # [tensor, B, L, ...] partial sums, one per head group, added up outside the map (with
+      # check_vma=False a psum inside would be transposed to a second psum)
+      partial = jax.shard_map(lambda *a: run(*a)[None], in_specs=(state_specs, x_spec)
+                              + extra_specs, out_specs=P("tensor", *x_spec), check_vma=False)
+      return partial(state, x, *extra).sum(0)
+  if split_seq and x.shape[1] % tensor == 0:
+    x_spec = P(x_spec[0], "tensor", *x_spec[2:])
   return jax.shard_map(run, in_specs=(P(), x_spec) + extra_specs, out_specs=x_spec,
                        check_vma=False)(state, x, *extra)
