@@ -158,7 +158,7 @@ MUTANTS = [
       f"{LF}::test_unet3d_formula"),
     # ------------------------------------------------------------------ initialisation
     m("flashffn_w_in_gain_1", "models/flash_ffn.py",
-      "self.w_in = nnx.Param(_xavier(0.707)(", "self.w_in = nnx.Param(_xavier(1.0)(",
+      "self.w_in = param(_xavier(0.707)(", "self.w_in = param(_xavier(1.0)(",
       f"{LF}::test_flashffn_init"),
     m("flashffn_tables_std_0.2", "models/flash_ffn.py",
       "table = jax.nn.initializers.normal(0.02)", "table = jax.nn.initializers.normal(0.2)",
@@ -167,8 +167,8 @@ MUTANTS = [
       "jax.nn.initializers.truncated_normal(0.02)(", "jax.nn.initializers.normal(0.02)(",
       f"{LF}::test_flashffn_init"),
     m("frac_D_init_zero", "models/frac.py",
-      "self.skip = nnx.Param(jnp.ones((num_heads,), param_dtype))",
-      "self.skip = nnx.Param(jnp.zeros((num_heads,), param_dtype))",
+      "self.skip = param(jnp.ones((num_heads,), param_dtype)",
+      "self.skip = param(jnp.zeros((num_heads,), param_dtype)",
       f"{LF}::test_frac_mixer_init"),
     m("frac_dt_init_mamba_range", "models/frac.py",
       "math.log(0.5),\n                                    math.log(2.0)",
@@ -178,7 +178,7 @@ MUTANTS = [
       "np.linspace(lo, max(lo, 0.9), num_heads)", "np.linspace(lo, max(lo, 0.8), num_heads)",
       f"{LF}::test_frac_mixer_init"),
     m("lm_head_init_1_over_d", "models/lm.py",
-      "(d_model, vocab_size)) * d_model ** -0.5)", "(d_model, vocab_size)) * d_model ** -1.0)",
+      "(d_model, vocab_size)) * d_model ** -0.5,", "(d_model, vocab_size)) * d_model ** -1.0,",
       f"{LF}::test_language_model_formula_and_init"),
     # ------------------------------------------------------------------ trainer semantics
     m("schedule_decay_steps_after_warmup", "train/optim.py",
