@@ -234,6 +234,19 @@ MUTANTS = [
     m("dice_counts_background", "train/seg3d_task.py",
       "for c in range(1, logits.shape[-1]):", "for c in range(logits.shape[-1]):",
       f"{TS}::test_segmentation_loss_and_macro_dice"),
+    # ------------------------------------------------------------------ sharding
+    m("param_axes_dropped", "models/partitioning.py",
+      "return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)",
+      "return nnx.Param(value)",
+      "tests/test_param_sharding.py::test_every_parameter_carries_its_logical_axes"),
+    m("fsdp_rule_dropped", "models/partitioning.py",
+      '"embed": ("fsdp",),', '"embed": (),',
+      "tests/test_param_sharding.py::"
+      "test_parameters_created_sharded_and_held_once_per_fsdp_tensor_group"),
+    m("flashffn_heads_not_split", "models/partitioning.py",
+      'return P(*("tensor" if n == "heads" else None for n in names))',
+      "return P(*(None for n in names))",
+      "tests/test_param_sharding.py::test_flashffn_kernel_runs_on_local_heads_under_shard_map"),
     # ------------------------------------------------------------------ shared op math
     m("rms_normalize_backward_without_projection", "jaxops/rms_norm.py",
       "dx = rstd * (dy32 - y32 * jnp.mean(dy32 * y32, axis=-1, keepdims=True))",
