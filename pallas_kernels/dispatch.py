@@ -23,6 +23,8 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from jaxops import checks
+
 Backend = Literal["mosaic", "triton"]
 _PLATFORM = {"mosaic": "tpu", "triton": "cuda"}
 CHIPS = ("tpu-v5e", "tpu-v6e", "gpu-a100", "gpu-h100", "gpu-h200")
@@ -63,10 +65,7 @@ def tuned(table: dict, backend: Backend, dtype, default):
 
 def check_positive(op: str, blocks) -> None:
   """ValueError naming the first block-size field that is not a positive int."""
-  for field in dataclasses.fields(blocks):
-    value = getattr(blocks, field.name)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-      raise ValueError(f"{op}: block size `{field.name}` must be a positive int, got {value!r}")
+  checks.ints(op, dataclasses.asdict(blocks), what="block size ")
 
 
 @dataclasses.dataclass(frozen=True)
