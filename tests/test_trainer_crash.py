@@ -26,6 +26,16 @@ from train.errors import UsageError
 from train.metrics import MetricWriter, read_metrics
 
 
+@pytest.fixture(autouse=True)
+def interactive_sigint():
+  """SIGINT as in a foreground run. A test runner started in the background (nohup, `&` in a
+  script, some CI runners) inherits SIGINT ignored, which the trainer rightly restores, and
+  a second Ctrl-C then has nothing to stop."""
+  before = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, before)
+
+
 def checkpoint_names(workdir):
   return sorted(p.name for p in (pathlib.Path(workdir) / "checkpoints").iterdir())
 
