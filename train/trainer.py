@@ -59,8 +59,9 @@ class NonFiniteLossError(TrainingError):
 class Task:
   """What to train.
 
-  model: the nnx.Module with its initial (float32) parameters, seeded from the config; it is
-    built eagerly on one device and then sharded, so its constructor need not be traceable.
+  model: the nnx.Module with its initial (float32) parameters, seeded from the config; the
+    tasks create it already sharded over the mesh (`train.sharding.init_sharded`: the
+    constructor runs under jax.jit with out_shardings from the parameters' logical axes).
   loss_fn: (model, batch) -> (scalar loss, {name: scalar}) on device arrays.
   train_batch: step -> {name: np.ndarray [global_batch, ...]}, a pure function of the step.
   eval_batch: index -> the same, for evaluation.
