@@ -8,7 +8,7 @@ Budget (nanoGPT's CPU recipe): 2000 steps, batch 12, context 64, d=128, 4 layers
 (experiments.lm_shakespeare.whole_split_loss), in nats per character. The optimizer is
 lm_default's (AdamW, lr 3e-3, 60 warmup steps, cosine to 0.1x), the same for every arm.
 Parameter matching: FRAC's mixer has ~11k fewer parameters per layer than attention
-(in_proj 128x292 + out_proj 128x128 vs 4 x 128^2), so the FRAC and Mamba-2 arms get that
+(input projections 128x292 in all + out_proj 128x128 vs 4 x 128^2), so the FRAC and Mamba-2 arms get that
 back in their FFN (SwiGLU d_ff 373 instead of 344; FlashFFN d_e 144 instead of 128).
 """
 

@@ -3,8 +3,8 @@
 Block:  x = x + mixer(RMSNorm(x), *context);  x = x + ffn(RMSNorm(x)),  x [B, L, d].
 `context` is whatever else the mixer reads (Pack3D: coords, field_ids). Layers that call a
 Pallas kernel (their resolved `impl` is "pallas") run through `partitioning.shard_layer`
-(batch-split shard_map under a mesh); FlashFFN runs on its local heads (split over the tensor
-axis), a token-wise FFN whose heads the tensor axis does not divide on a sequence split instead.
+(batch-split shard_map under a mesh) on their local heads (split over the tensor axis); a
+token-wise FFN whose heads the tensor axis does not divide on a sequence split instead.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Block(nnx.Module):
   def __call__(self, x, *context):
     """x [B, L, d], context: the mixer's extra inputs ([B, ...] each) -> [B, L, d]."""
     h = self.norm1(x)
-    x = x + (shard_layer(self.mixer, h, *context) if self.pallas_mixer
+    x = x + (shard_layer(self.mixer, h, *context, split_heads=True) if self.pallas_mixer
              else self.mixer(h, *context))
     h = self.norm2(x)
     x = x + (shard_layer(self.ffn, h, split_seq=True, split_heads=True) if self.pallas_ffn

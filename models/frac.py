@@ -13,6 +13,7 @@ from jaxops import checks
 from jaxops import frac as frac_ops
 from jaxops.rms_norm import rms_normalize
 from models.impl import Impl, resolve_impl
+from models import partitioning
 from models.partitioning import param
 from pallas_kernels import frac_scan as frac_kernel
 
@@ -31,6 +32,7 @@ class FRACMixer(nnx.Module):
   """Selective SSM mixer whose per-head memory decays as (1 + u)^(-alpha_h).
 
   x [B, L, d] -> in_proj -> (z [d_in], x [d_in], B [N], C [N], dt [H]), d_in = H P
+                 (stored as in_proj [d, 2, d_in] for z, x; bc_proj [d, 2N]; dt_proj [d, H])
   (x, B, C) -> causal depthwise conv (width `conv_width`) -> silu;  B, C shared by heads
   dt = softplus(dt + dt_bias)                                     float32, init ~ 1
   (rates, weights) = soe_modes(alpha_h) with rates * exp(log_timescale_h)   [H, M]
@@ -82,16 +84,23 @@ class FRACMixer(nnx.Module):
     self.mamba2, self.learn_timescale, self.dtype = mamba2, learn_timescale, dtype
     self.num_modes = 1 if mamba2 else (num_modes or frac_ops.default_num_modes(context))
     d_inner = num_heads * head_dim
-    conv_dim = d_inner + 2 * state_dim
     lecun = jax.nn.initializers.lecun_normal()
-    # logical axes (models.partitioning): in_proj's columns pack [z, x, B, C, dt] ("mlp",
-    # split over "tensor"), out_proj's rows are the H head_dim head channels ("heads")
-    self.in_proj = param(lecun(rngs.params(), (d_model, 2 * d_inner + 2 * state_dim
-                                                + num_heads), param_dtype), "embed", "mlp")
-    self.conv_weight = param(jax.random.uniform(
-        rngs.params(), (conv_width, conv_dim), param_dtype, -1.0, 1.0) / math.sqrt(conv_width),
-        None, "channels")
-    self.conv_bias = param(jnp.zeros((conv_dim,), param_dtype), "channels")
+    # Drawn as Mamba-2's one fused input projection [z | x | B | C | dt] (and one conv over
+    # [x | B | C]), stored split by role so that each piece names its head dimension
+    # (models.partitioning): under a mesh "tensor" splits the heads, and B, C (shared by all
+    # heads) stay whole. in_proj [d, 2, d_in] holds z and x, head-major.
+    fused = lecun(rngs.params(), (d_model, 2 * d_inner + 2 * state_dim + num_heads),
+                  param_dtype)
+    zx, bc, dt_w = jnp.split(fused, [2 * d_inner, 2 * d_inner + 2 * state_dim], axis=1)
+    self.in_proj = param(zx.reshape(d_model, 2, d_inner), "embed", None, "heads")
+    self.bc_proj = param(bc, "embed", "mlp")
+    self.dt_proj = param(dt_w, "embed", "heads")
+    conv = jax.random.uniform(rngs.params(), (conv_width, d_inner + 2 * state_dim),
+                              param_dtype, -1.0, 1.0) / math.sqrt(conv_width)
+    self.conv_weight = param(conv[:, :d_inner], None, "head_channels")
+    self.conv_bias = param(jnp.zeros((d_inner,), param_dtype), "head_channels")
+    self.bc_conv_weight = param(conv[:, d_inner:], None, "channels")
+    self.bc_conv_bias = param(jnp.zeros((2 * state_dim,), param_dtype), "channels")
     dt = jnp.exp(jax.random.uniform(rngs.params(), (num_heads,), _F32, math.log(0.5),
                                     math.log(2.0)))
     self.dt_bias = param(_inverse_softplus(dt).astype(param_dtype), "heads")
@@ -112,16 +121,18 @@ class FRACMixer(nnx.Module):
       self.alpha_logit = param(_logit(frac).astype(param_dtype), "heads")
       self.log_timescale = param(jnp.zeros((num_heads,), param_dtype), "heads")
     self.skip = param(jnp.ones((num_heads,), param_dtype), "heads")
-    self.norm_gain = param(jnp.ones((d_inner,), param_dtype), "channels")
+    self.norm_gain = param(jnp.ones((d_inner,), param_dtype), "head_channels")
     self.out_proj = param(lecun(rngs.params(), (d_inner, d_model), param_dtype),
                           "heads", "embed")
 
   # --------------------------------------------------------------------------- pieces
+  # Head counts below come from the parameters' shapes, not `num_heads`: under
+  # partitioning.shard_layer(split_heads=True) the layer holds only its local heads.
 
   def alpha(self):
     """alpha_h in (alpha_min, 1), [H] float32 (1 for the Mamba-2 baseline)."""
     if self.mamba2:
-      return jnp.ones((self.num_heads,), _F32)
+      return jnp.ones(self.log_timescale.shape, _F32)
     logit = self.alpha_logit[...].astype(_F32)
     return self.alpha_min + (1.0 - self.alpha_min) * jax.nn.sigmoid(logit)
 
@@ -131,40 +142,58 @@ class FRACMixer(nnx.Module):
     if not self.learn_timescale:
       log_timescale = jax.lax.stop_gradient(log_timescale)
     if self.mamba2:
-      return jnp.exp(log_timescale)[:, None], jnp.ones((self.num_heads, 1), _F32)
+      return jnp.exp(log_timescale)[:, None], jnp.ones((log_timescale.shape[0], 1), _F32)
     rates, weights = frac_ops.soe_modes(self.alpha(), num_modes=self.num_modes,
                                         context=self.context)
     return rates * jnp.exp(log_timescale)[:, None], weights
 
   def _project(self, x):
-    """x [..., d] -> (z [..., d_in], xbc [..., d_in + 2N] before the conv, dt_raw [..., H])."""
+    """x [..., d] -> (z [..., d_in], xbc [..., d_in + 2N] before the conv, dt_raw [..., H]).
+
+    One matmul with the pieces of the fused projection put back side by side."""
     dtype = self.dtype or x.dtype
-    proj = x.astype(dtype) @ self.in_proj[...].astype(dtype)
-    d_inner = self.num_heads * self.head_dim
+    w_zx = self.in_proj[...]
+    w = jnp.concatenate([w_zx.reshape(w_zx.shape[0], -1), self.bc_proj[...],
+                         self.dt_proj[...]], axis=1)
+    proj = x.astype(dtype) @ w.astype(dtype)
+    d_inner = w_zx.shape[-1]
     z, xbc, dt_raw = jnp.split(proj, [d_inner, 2 * d_inner + 2 * self.state_dim], axis=-1)
     return z, xbc, dt_raw
 
   def _conv(self, window):
-    """Causal depthwise conv + silu: window [B, n + W - 1, D] -> [B, n, D]."""
-    w = self.conv_weight[...].astype(window.dtype)
+    """Causal depthwise conv + silu over the [x | B | C] channels:
+    window [B, n + W - 1, d_in + 2N] -> [B, n, d_in + 2N]."""
+    dtype = window.dtype
+    w = jnp.concatenate([self.conv_weight[...], self.bc_conv_weight[...]], 1).astype(dtype)
+    bias = jnp.concatenate([self.conv_bias[...], self.bc_conv_bias[...]]).astype(dtype)
     width, n = w.shape[0], window.shape[1] - w.shape[0] + 1
     out = sum(window[:, k:k + n] * w[k] for k in range(width))
-    return jax.nn.silu(out + self.conv_bias[...].astype(window.dtype))
+    return jax.nn.silu(out + bias)
 
   def _scan_inputs(self, xbc, dt_raw):
     """-> x [..., H, P], dt [..., H] float32, b, c [..., H, N] (shared by the heads)."""
-    d_inner, n, h = self.num_heads * self.head_dim, self.state_dim, self.num_heads
+    n, h = self.state_dim, dt_raw.shape[-1]
+    d_inner = xbc.shape[-1] - 2 * n
     xs, b, c = jnp.split(xbc, [d_inner, d_inner + n], axis=-1)
     xs = xs.reshape(*xs.shape[:-1], h, self.head_dim)
     b, c = (jnp.broadcast_to(v[..., None, :], (*v.shape[:-1], h, n)) for v in (b, c))
     dt = jax.nn.softplus(dt_raw.astype(_F32) + self.dt_bias[...].astype(_F32))
     return xs, dt, b, c
 
+  def _gated_norm(self, y):
+    """RMS normalization of y [..., d_in] float32 over all H P channels. With the heads split
+    over "tensor" (y holds the local ones) the mean square is summed across the split."""
+    d_inner = self.num_heads * self.head_dim
+    if y.shape[-1] == d_inner:
+      return rms_normalize(y)
+    total = partitioning.psum_heads(jnp.sum(y * y, axis=-1, keepdims=True))
+    return y * jax.lax.rsqrt(total / d_inner + 1e-6)
+
   def _output(self, y, xs, z):
     """D skip, gated RMSNorm (of y * silu(z)), out_proj: y, xs [..., H, P], z [..., d_in]."""
     y = y.astype(_F32) + self.skip[...].astype(_F32)[:, None] * xs.astype(_F32)
     y = y.reshape(z.shape) * jax.nn.silu(z.astype(_F32))
-    y = (rms_normalize(y) * self.norm_gain[...].astype(_F32)).astype(z.dtype)
+    y = (self._gated_norm(y) * self.norm_gain[...].astype(_F32)).astype(z.dtype)
     return y @ self.out_proj[...].astype(z.dtype)
 
   # --------------------------------------------------------------------------- API
@@ -190,7 +219,7 @@ class FRACMixer(nnx.Module):
   def init_cache(self, batch: int, dtype=None):
     """Decoding cache: the conv window [B, W - 1, d_in + 2N] and the state [B, H, M, N, P]."""
     checks.ints("FRACMixer.init_cache", {"batch": batch})
-    conv_dim = self.conv_weight.shape[1]
+    conv_dim = self.conv_weight.shape[1] + self.bc_conv_weight.shape[1]
     dtype = dtype or self.dtype or self.in_proj[...].dtype
     return {
         "conv": jnp.zeros((batch, self.conv_weight.shape[0] - 1, conv_dim), dtype),

@@ -77,7 +77,8 @@ class Pack3DAttention(nnx.Module):
     checks.one_of(owner, "rotate_summaries", rotate_summaries, ("before", "after"))
     if rotate_summaries == "after" and position != "axial_rope":
       raise ValueError("Pack3DAttention: rotate_summaries='after' needs position='axial_rope'")
-    self.num_heads, self.position, self.merge = num_heads, position, merge
+    self.num_heads, self.head_dim = num_heads, head_dim
+    self.position, self.merge = position, merge
     self.impl = resolve_impl(owner, impl, has_kernel=merge == "joint")
     self.interpret = interpret
     self.rope = dict(theta=rope_theta, spacing=tuple(spacing))
@@ -86,10 +87,11 @@ class Pack3DAttention(nnx.Module):
                           summary_rope=self.rope if rotate_summaries == "after" else None)
     self.max_cubes, self.dtype = max_cubes, dtype
     xavier = jax.nn.initializers.xavier_uniform()
-    # logical axes (models.partitioning): w_qkv's columns are [q | k | v] each H d_h wide
-    # ("mlp", split over "tensor"), w_out's rows the H d_h head channels ("heads")
-    self.w_qkv = param(xavier(rngs.params(), (d_model, 3 * d_model), param_dtype),
-                       "embed", "mlp")
+    # logical axes (models.partitioning): w_qkv [d, 3, H d_h] holds q, k, v, head-major
+    # ("heads", split over "tensor"; drawn as one [d, 3d] matrix), w_out's rows are the H d_h
+    # head channels ("heads")
+    self.w_qkv = param(xavier(rngs.params(), (d_model, 3 * d_model), param_dtype).reshape(
+        d_model, 3, d_model), "embed", None, "heads")
     self.w_out = param(xavier(rngs.params(), (d_model, d_model), param_dtype), "heads", "embed")
     self.pos_embedding = (param(jax.nn.initializers.normal(0.02)(
         rngs.params(), (max_len, d_model), param_dtype), None, "embed")
@@ -109,7 +111,7 @@ class Pack3DAttention(nnx.Module):
 
   def __call__(self, x, coords, field_ids):
     """x [B, N, d], coords int [B, N, 3], field_ids int [B, N] -> [B, N, d] (compute dtype)."""
-    d_model = self.w_out.shape[0]
+    d_model = self.w_qkv.shape[0]
     checks.sequence("Pack3DAttention", "x", x, d_model)
     dtype = self.dtype or x.dtype
     batch, n = x.shape[:2]
@@ -119,7 +121,10 @@ class Pack3DAttention(nnx.Module):
         raise ValueError(f"Pack3DAttention: `x` has N={n} tokens, more than max_len="
                          f"{self.pos_embedding.shape[0]}")
       x = x + self.pos_embedding[:n].astype(dtype)
-    qkv = (x @ self.w_qkv[...].astype(dtype)).reshape(batch, n, 3, self.num_heads, -1)
+    # the local heads under partitioning.shard_layer(split_heads=True), else all H
+    w_qkv = self.w_qkv[...].astype(dtype)
+    qkv = (x @ w_qkv.reshape(d_model, -1)).reshape(batch, n, 3, -1, self.head_dim)
+    heads = qkv.shape[3]
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if self.position == "axial_rope":
       q, k = (rope.axial_rope_3d(t, coords, **self.rope) for t in (q, k))
@@ -128,9 +133,8 @@ class Pack3DAttention(nnx.Module):
       q, k = (rope.rope_1d(t, index, theta=self.rope["theta"]) for t in (q, k))
     gates = None
     if self.merge == "gated":
-      gates = jax.nn.sigmoid(x @ self.w_gate[...].astype(dtype)).reshape(
-          batch, n, self.num_heads, 2)
+      gates = jax.nn.sigmoid(x @ self.w_gate[...].astype(dtype)).reshape(batch, n, heads, 2)
     elif self.merge == "local":
-      gates = jnp.broadcast_to(jnp.asarray([1.0, 0.0], dtype), (batch, n, self.num_heads, 2))
+      gates = jnp.broadcast_to(jnp.asarray([1.0, 0.0], dtype), (batch, n, heads, 2))
     o = self._attend(q, k, v, coords, field_ids, gates)
-    return o.reshape(batch, n, d_model) @ self.w_out[...].astype(dtype)
+    return o.reshape(batch, n, -1) @ self.w_out[...].astype(dtype)

@@ -9,6 +9,8 @@ carries its own logical axis names, one per dimension, as metadata (`param(value
   embed, expert_mlp,      -> "fsdp"             parameters sharded (ZeRO-3 style) over fsdp
     head_dim
   vocab, heads, mlp       -> "tensor"           tensor parallelism (Megatron-style column/row)
+  head_channels           -> ("tensor", "fsdp") per-channel vectors laid out head-major (H P):
+                                                tensor-major, so a tensor shard is whole heads
   channels                -> ("fsdp", "tensor") per-channel vectors (norm gains, biases)
   act_heads, act_vocab    -> "tensor"
   anything else           -> replicated
@@ -17,10 +19,11 @@ A dimension that the mapped mesh axes do not divide, or whose mesh axis an earli
 already uses, stays replicated, so any shape is legal. Parameters without names are replicated.
 
 Pallas kernels cannot be auto-partitioned, so layers that call one run through `shard_layer`:
-under `jax.shard_map` with the batch split over ("data", "fsdp"); FlashFFN's parameters enter
-split over "tensor" along their "heads" dimensions, so its kernel runs on the local heads. FRAC's
-and Pack3D's fused projections (in_proj [z, x, B, C, dt], w_qkv [q | k | v]) are not head-major,
-so those layers still get their parameters replicated (all-gathered at the edge).
+under `jax.shard_map` with the batch split over ("data", "fsdp") and every parameter split over
+"tensor" along its head dimensions ("heads", "head_channels"), so the kernels of FlashFFN, FRAC
+and Pack3D run on the local heads; their outputs are sums of per-head terms, added up after the
+map. Parameters without a head dimension (FRAC's B, C projection, shared by the heads) enter
+whole.
 With no mesh in context (`jax.set_mesh`) every helper here is the identity.
 """
 
@@ -45,6 +48,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "channels": ("fsdp", "tensor"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
+    "head_channels": ("tensor", "fsdp"),
     "mlp": ("tensor",),
     "act_heads": ("tensor",),
     "act_vocab": ("tensor",),
@@ -107,12 +111,25 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, spec_for(names, x.shape, mesh))
 
 
+HEAD_AXES = ("heads", "head_channels")
+
+
 def _heads_spec(variable: nnx.Variable, tensor: int) -> P | None:
-  """P with "tensor" on the dimensions named "heads" (None if one is not divisible)."""
+  """P with "tensor" on the head dimensions (HEAD_AXES; None if one is not divisible)."""
   names = logical_axes(variable)
-  if any(n == "heads" and size % tensor for n, size in zip(names, variable.shape)):
+  if any(n in HEAD_AXES and size % tensor for n, size in zip(names, variable.shape)):
     return None
-  return P(*("tensor" if n == "heads" else None for n in names))
+  return P(*("tensor" if n in HEAD_AXES else None for n in names))
+
+
+def psum_heads(x: jax.Array) -> jax.Array:
+  """Sum of x over the "tensor" axis, for a statistic over all heads computed inside
+  `shard_layer(split_heads=True)` from the local ones (FRAC's gated norm).
+
+  Its transpose is again a sum over "tensor" (shard_map with check_vma=False), which is the
+  gradient wanted here: every device's local heads feed every device's output.
+  """
+  return jax.lax.psum(x, "tensor")
 
 
 def shard_layer(layer: nnx.Module, x: jax.Array, *extra: jax.Array, split_seq: bool = False,
@@ -120,9 +137,10 @@ def shard_layer(layer: nnx.Module, x: jax.Array, *extra: jax.Array, split_seq: b
   """layer(x, *extra) under jax.shard_map when a mesh is active (for Pallas-kernel layers).
 
   x [B, L, ...] and every `extra` [B, ...] are split over BATCH_AXES along B. With
-  `split_heads` (layers whose parameters name their "heads" dimensions in head-major blocks,
-  and whose output is the sum of per-head terms: FlashFFN), every parameter enters split over
-  "tensor" along its "heads" dimensions, so the layer and its kernel run on the local heads;
+  `split_heads` (layers whose parameters name their head dimensions (HEAD_AXES) in head-major
+  blocks, and whose output is the sum of per-head terms: FlashFFN, FRAC, Pack3D), every
+  parameter enters split over "tensor" along its head dimensions, so the layer and its kernel
+  run on the local heads (a layer reads its local head count from its parameters' shapes);
   the per-device partial outputs are summed after the map. Otherwise (or when "tensor" does not
   divide the heads) parameters enter replicated, and with `split_seq` (token-wise layers only)
   x is also split over "tensor" along L. The output has x's layout.

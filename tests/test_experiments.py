@@ -179,7 +179,7 @@ def test_local_only_merge_is_masked_local_attention():
   layer = Pack3DAttention(12, 2, block_shape=(2, 2, 2), radius_blocks=0, position="none",
                           merge="local", impl="xla", rngs=nnx.Rngs(0))
   got = layer(x, coords, fids)
-  qkv = (x @ layer.w_qkv[...]).reshape(1, -1, 3, 2, 6)
+  qkv = (x @ layer.w_qkv[...].reshape(12, 36)).reshape(1, -1, 3, 2, 6)
   q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
   cube = coords[0] // 2
   local = (np.max(np.abs(cube[:, None] - cube[None]), -1) == 0)

@@ -90,7 +90,8 @@ def test_alpha_spread_and_gradients():
   layer = FRACMixer(D_MODEL, impl="reference", rngs=nnx.Rngs(0), **dict(CONFIG, num_heads=4))
   np.testing.assert_allclose(layer.alpha(), np.linspace(0.2, 0.9, 4), atol=1e-3)
   grads = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x) ** 2)))(layer, _x())
-  for name in ("alpha_logit", "log_timescale", "dt_bias", "skip", "in_proj"):
+  for name in ("alpha_logit", "log_timescale", "dt_bias", "skip", "in_proj", "bc_proj",
+               "dt_proj"):
     g = getattr(grads, name)[...]
     assert np.all(np.isfinite(g)) and np.any(g != 0), name
 

@@ -249,11 +249,11 @@ def test_causal_attention_formula_and_init():
 
 
 def pack3d_layer_numpy(layer, x, coords, field_ids, heads):
-  """Pack3DAttention's docstring with its defaults: q, k, v = x W_qkv (split 3 x H x D),
+  """Pack3DAttention's docstring with its defaults: q, k, v = x W_qkv (W_qkv [d, 3, H D]),
   axial RoPE of q and k on the coordinates (theta 10000), rotated BEFORE compression,
   Pack3D attention with 4^3 cubes, radius 1 and the log(n_b) bias, then W_out."""
   b, n, d = x.shape
-  qkv = (x @ P(layer.w_qkv)).reshape(b, n, 3, heads, d // heads)
+  qkv = np.einsum("bnd,dkf->bnkf", x, P(layer.w_qkv)).reshape(b, n, 3, heads, d // heads)
   q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
   q, k = axial_rope(q, coords), axial_rope(k, coords)
   o = pack3d_attention(q, k, v, coords, field_ids)
@@ -269,9 +269,10 @@ def test_pack3d_attention_formula_with_defaults():
 
 
 def test_pack3d_attention_init():
-  """Xavier-uniform (gain 1) W_qkv [d, 3d] and W_out [d, d]."""
+  """Xavier-uniform (gain 1) W_qkv [d, 3d] (stored [d, 3, d]) and W_out [d, d]."""
   d = 96
   layer = build(Pack3DAttention, d, 2)
+  assert layer.w_qkv.shape == (d, 3, d)
   for name, fan_out in (("w_qkv", 3 * d), ("w_out", d)):
     bound = math.sqrt(6 / (d + fan_out))
     stats_match(getattr(layer, name)[...], std=bound / math.sqrt(3), bound=bound, name=name)
@@ -298,15 +299,19 @@ def soe_modes_numpy(alpha, context):
 
 
 def frac_mixer_numpy(layer, x, num_heads, head_dim, state_dim, context, alpha_min=0.2):
-  """FRACMixer's docstring, defaults (conv width 4, alpha_min 0.2), Mamba-2 style layout."""
+  """FRACMixer's docstring, defaults (conv width 4, alpha_min 0.2), Mamba-2 style layout:
+  in_proj [d, 2, d_in] gives z and x, bc_proj [d, 2N] B and C, dt_proj [d, H] dt; the causal
+  conv runs over x (conv_weight) and B, C (bc_conv_weight)."""
   bsz, length, _ = x.shape
   heads, d_in, n = num_heads, num_heads * head_dim, state_dim
-  proj = x @ P(layer.in_proj)
-  z, xbc, dt_raw = proj[..., :d_in], proj[..., d_in:2 * d_in + 2 * n], proj[..., 2 * d_in + 2 * n:]
-  w = P(layer.conv_weight)                                  # [width, channels]
+  zx = np.einsum("bld,dkc->blkc", x, P(layer.in_proj))
+  z = zx[..., 0, :]
+  xbc = np.concatenate([zx[..., 1, :], x @ P(layer.bc_proj)], -1)
+  dt_raw = x @ P(layer.dt_proj)
+  w = np.concatenate([P(layer.conv_weight), P(layer.bc_conv_weight)], 1)  # [width, channels]
   padded = np.concatenate([np.zeros((bsz, w.shape[0] - 1, xbc.shape[-1])), xbc], 1)
   conv = sum(padded[:, j:j + length] * w[j] for j in range(w.shape[0]))
-  xbc = silu(conv + P(layer.conv_bias))
+  xbc = silu(conv + np.concatenate([P(layer.conv_bias), P(layer.bc_conv_bias)]))
   xs = xbc[..., :d_in].reshape(bsz, length, heads, head_dim)
   bmat, cmat = xbc[..., d_in:d_in + n], xbc[..., d_in + n:]  # shared by the heads
   dt = softplus(dt_raw + P(layer.dt_bias))                  # [B, L, H]
@@ -330,8 +335,9 @@ FRAC = dict(num_heads=3, head_dim=8, state_dim=4, context=64)
 
 def test_frac_mixer_formula_with_defaults():
   layer = build(FRACMixer, 16, **FRAC)          # impl "xla", default num_modes
-  for i, name in enumerate(("skip", "norm_gain", "conv_bias", "log_timescale", "dt_bias")):
-    randomize(getattr(layer, name), 10 + i, center=0.0 if name == "conv_bias" else 1.0)
+  for i, name in enumerate(("skip", "norm_gain", "conv_bias", "bc_conv_bias", "log_timescale",
+                            "dt_bias")):
+    randomize(getattr(layer, name), 10 + i, center=0.0 if "conv_bias" in name else 1.0)
   layer.log_timescale[...] = layer.log_timescale[...] - 1.0
   layer.alpha_logit[...] = jnp.array([-1.5, 0.3, 2.0])
   x = normal(1, (2, 37, 16))
@@ -353,16 +359,19 @@ def test_frac_mixer_init():
   np.testing.assert_array_equal(layer.skip[...], np.ones(heads))
   np.testing.assert_array_equal(layer.log_timescale[...], np.zeros(heads))
   np.testing.assert_array_equal(layer.norm_gain[...], np.ones(heads * head_dim))
-  np.testing.assert_array_equal(layer.conv_bias[...], np.zeros(heads * head_dim + 2 * state_dim))
+  np.testing.assert_array_equal(layer.conv_bias[...], np.zeros(heads * head_dim))
+  np.testing.assert_array_equal(layer.bc_conv_bias[...], np.zeros(2 * state_dim))
   rates, weights = layer.modes()
   expected_rates, expected_weights = soe_modes_numpy(np.asarray(layer.alpha()), context)
   np.testing.assert_allclose(rates, expected_rates, rtol=1e-5)
   np.testing.assert_allclose(weights, expected_weights, rtol=1e-4)
   np.testing.assert_allclose(rates[:, 1], 0.03 / context, rtol=1e-5)
   np.testing.assert_allclose(rates[:, -1], 4.0, rtol=1e-5)
-  stats_match(layer.in_proj[...], std=d ** -0.5, name="in_proj")
+  for name in ("in_proj", "bc_proj", "dt_proj"):            # one fused [d, 2 d_in + 2N + H]
+    stats_match(getattr(layer, name)[...], std=d ** -0.5, name=name)
   stats_match(layer.out_proj[...], std=(heads * head_dim) ** -0.5, name="out_proj")
-  conv = np.asarray(layer.conv_weight[...])                 # uniform(-1, 1) / sqrt(width)
+  conv = np.concatenate([layer.conv_weight[...], layer.bc_conv_weight[...]], 1)
+  #                                                         uniform(-1, 1) / sqrt(width)
   stats_match(conv, std=0.5 / math.sqrt(3), bound=0.5, name="conv_weight")
 
 

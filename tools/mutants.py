@@ -95,8 +95,8 @@ MUTANTS = [
       f"{LF}::test_frac_mixer_formula_with_defaults"),
     m("frac_norm_before_gate", "models/frac.py",
       "y = y.reshape(z.shape) * jax.nn.silu(z.astype(_F32))\n"
-      "    y = (rms_normalize(y) * self.norm_gain[...].astype(_F32)).astype(z.dtype)",
-      "y = rms_normalize(y.reshape(z.shape)) * jax.nn.silu(z.astype(_F32))\n"
+      "    y = (self._gated_norm(y) * self.norm_gain[...].astype(_F32)).astype(z.dtype)",
+      "y = self._gated_norm(y.reshape(z.shape)) * jax.nn.silu(z.astype(_F32))\n"
       "    y = (y * self.norm_gain[...].astype(_F32)).astype(z.dtype)",
       f"{LF}::test_frac_mixer_formula_with_defaults"),
     m("frac_timescale_ignored", "models/frac.py",
@@ -243,10 +243,13 @@ MUTANTS = [
       '"embed": ("fsdp",),', '"embed": (),',
       "tests/test_param_sharding.py::"
       "test_parameters_created_sharded_and_held_once_per_fsdp_tensor_group"),
-    m("flashffn_heads_not_split", "models/partitioning.py",
-      'return P(*("tensor" if n == "heads" else None for n in names))',
+    m("kernel_heads_not_split", "models/partitioning.py",
+      'return P(*("tensor" if n in HEAD_AXES else None for n in names))',
       "return P(*(None for n in names))",
-      "tests/test_param_sharding.py::test_flashffn_kernel_runs_on_local_heads_under_shard_map"),
+      "tests/test_param_sharding.py::test_kernels_run_on_local_heads_under_shard_map"),
+    m("frac_norm_local_heads_only", "models/partitioning.py",
+      'return jax.lax.psum(x, "tensor")', "return x",
+      "tests/test_param_sharding.py::test_kernels_run_on_local_heads_under_shard_map"),
     # ------------------------------------------------------------------ shared op math
     m("rms_normalize_backward_without_projection", "jaxops/rms_norm.py",
       "dx = rstd * (dy32 - y32 * jnp.mean(dy32 * y32, axis=-1, keepdims=True))",
