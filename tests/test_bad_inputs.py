@@ -18,6 +18,7 @@ from jaxops.rms_norm import rms_normalize_groups
 from models import (CausalAttention, FlashFFN, FRACMixer, LanguageModel, Pack3DAttention,
                     Pack3DSegmenter, RMSNorm, SwiGLU, UNet3D)
 from pallas_kernels import flash_ffn as ffn_kernel
+from train import lm_task, seg3d_task
 
 
 def ones(*shape, dtype=jnp.float32):
@@ -54,6 +55,20 @@ lm = functools.partial(LanguageModel, d_model=16, num_layers=1, num_heads=2, con
                        ffn_options={"d_ff": 16})
 segmenter = functools.partial(Pack3DSegmenter, patch=(2, 2, 2), num_classes=2, d_model=12,
                               depth=1, num_heads=2, ffn_options={"d_ff": 16})
+
+
+def lm_batch(**bad):
+  """Task.check_batch of the LM trainer on a batch with one field replaced."""
+  ids = np.ones((2, 5), np.int32)
+  batch = {"inputs": ids, "targets": ids, "mask": np.ones((2, 5), np.float32), **bad}
+  lm_task.batch_checker(256)("training batch at step 3", batch)
+
+
+def seg3d_batch(**bad):
+  """Task.check_batch of the segmentation trainer on a packed batch with one field replaced."""
+  batch = {"tokens": np.ones((1, 12, 8), np.float32), "labels": np.ones((1, 12, 8), np.int32),
+           "coords": COORDS, "field_ids": FIELDS, "mask": np.ones((1, 12), np.float32)}
+  seg3d_task.check_batch("evaluation batch 0", {**batch, **bad})
 
 
 def attention_past_context():
@@ -166,6 +181,21 @@ CASES = [
     ("unet_wrong_channels", lambda: UNet3D(num_classes=2, base_channels=2, levels=1,
                                            rngs=rngs())(ones(1, 4, 4, 4, 3)),
      ValueError, "`image`"),
+    # host-side checks of every training / evaluation batch (Task.check_batch)
+    ("batch_target_outside_vocab",
+     lambda: lm_batch(targets=np.array([[1, 2, 300, 4, 5]] * 2)), ValueError, "`targets`"),
+    ("batch_negative_input", lambda: lm_batch(inputs=-np.ones((2, 5), np.int32)), ValueError,
+     "`inputs`"),
+    ("batch_float_ids", lambda: lm_batch(inputs=np.ones((2, 5), np.float32)), TypeError,
+     "`inputs`"),
+    ("batch_mask_above_one", lambda: lm_batch(mask=np.full((2, 5), 2.0)), ValueError, "`mask`"),
+    ("batch_label_outside_classes",
+     lambda: seg3d_batch(labels=np.full((1, 12, 8), 9, np.int32)), ValueError, "`labels`"),
+    ("batch_nan_voxels", lambda: seg3d_batch(tokens=np.full((1, 12, 8), np.nan, np.float32)),
+     ValueError, "`tokens`"),
+    ("batch_negative_coords", lambda: seg3d_batch(coords=-COORDS), ValueError, "`coords`"),
+    ("batch_field_id_too_large",
+     lambda: seg3d_batch(field_ids=np.full((1, 12), 256, np.int32)), ValueError, "`field_ids`"),
 ]
 
 

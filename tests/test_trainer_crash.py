@@ -70,6 +70,27 @@ def test_nan_gradients_with_a_finite_loss_stop_before_any_save(tmp_path):
   assert checkpoint_names(tmp_path) == ["4"]
 
 
+def test_a_bad_batch_stops_before_it_reaches_the_model(tmp_path):
+  """A target id past the vocabulary would silently read the last embedding row under jit; the
+  task's host-side check (Task.check_batch) stops the run at that step, naming the field and
+  the value, with nothing saved after the last good checkpoint."""
+  c = config()
+  task = lm_task.build_task(c)
+
+  def train_batch(step):
+    batch = dict(task.train_batch(step))
+    if step == 5:
+      batch["targets"] = batch["targets"].copy()
+      batch["targets"][0, 3] = 300
+    return batch
+
+  with pytest.raises(trainer.BadBatchError,
+                     match=r"training batch at step 5: `targets` .* token ids in \[0, "
+                           r"vocab_size=256\); 1 of .*\(values in \[\d+, 300\]"):
+    trainer.fit(c, tmp_path, dataclasses.replace(task, train_batch=train_batch))
+  assert checkpoint_names(tmp_path) == ["4"]
+
+
 def test_a_non_finite_state_is_never_saved(tmp_path):
   """Whatever the loss said: NaN/inf anywhere in params or optimizer state is refused, naming
   the step and the checkpoint a rerun would use, and nothing is written."""

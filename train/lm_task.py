@@ -5,7 +5,8 @@ config.data.kind picks the data:
                                          (train.data.text; config.data.path, default stdlib)
   "mqar", "lag_recall", "selective_copy" synthetic recall tasks (train.data.synthetic) with
                                          config.data.vocab and config.data.options
-Batches are {"inputs", "targets": int [B, L]} (+ "mask" [B, L] for the synthetic tasks);
+Batches are {"inputs", "targets": int [B, L]} (+ "mask" [B, L] for the synthetic tasks), each
+checked on the host (`check_batch`: ids in [0, vocab_size), mask in [0, 1]);
 loss = mean cross entropy (nats/token) over the (masked) positions, plus accuracy when masked.
 config.model.impl "auto" picks "pallas" on TPU/GPU and "xla" on CPU.
 """
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxops import checks
 from models.lm import LanguageModel
 from train import sharding, trainer
 from train.data import synthetic, text
@@ -54,6 +56,19 @@ def lm_loss(model, batch):
   count = jnp.maximum(mask.sum(), 1.0)
   correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
   return (ce * mask).sum() / count, {"accuracy": (correct * mask).sum() / count}
+
+
+def batch_checker(vocab_size: int):
+  """Task.check_batch for LM batches: inputs and targets integer ids in [0, vocab_size) (an id
+  past the vocabulary would silently read the last embedding row under jit), mask in [0, 1]."""
+  def check(owner: str, batch: dict) -> None:
+    for name in ("inputs", "targets"):
+      checks.integer(owner, name, batch[name])
+      checks.values(owner, name, batch[name], lambda t: (t >= 0) & (t < vocab_size),
+                    f"hold token ids in [0, vocab_size={vocab_size})")
+    if "mask" in batch:
+      checks.values(owner, "mask", batch["mask"], lambda m: (m >= 0) & (m <= 1), "lie in [0, 1]")
+  return check
 
 
 def text_batches(config):
@@ -108,7 +123,8 @@ def build_task(config) -> trainer.Task:
   return trainer.Task(model=model, loss_fn=lm_loss,
                       train_batch=lambda step: train_batch(index=step),
                       eval_batch=lambda i: eval_batch(index=i),
-                      tokens_per_batch=config.batch_size * config.model.context)
+                      tokens_per_batch=config.batch_size * config.model.context,
+                      check_batch=batch_checker(config.model.vocab_size))
 
 
 def sample(model: LanguageModel, config) -> str:

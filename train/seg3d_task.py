@@ -7,6 +7,8 @@ config.model.kind:
             base_channels = 0 means "match the Pack3DSegmenter's parameter count"
 Loss: voxel cross entropy over real voxels (padding masked); metric: macro Dice over the
 foreground classes (cytoplasm, nucleus, structure) of the argmax prediction.
+Every batch is checked on the host first (`check_batch`: finite voxels, labels in
+[0, NUM_CLASSES), mask in [0, 1], coords >= 0 and field ids in [0, MAX_FIELDS)).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxops import checks
+from jaxops.pack3d import MAX_FIELDS
 from models.seg3d import Pack3DSegmenter
 from models.unet3d import UNet3D, param_count, unet3d_matching
 from train import sharding, trainer
@@ -82,6 +86,22 @@ def make_model(config) -> nnx.Module:
     raise UsageError(f"config.model is invalid: {e}") from e
 
 
+def check_batch(owner: str, batch: dict) -> None:
+  """Task.check_batch for both views (packed: tokens, coords, field_ids; dense: image)."""
+  k = volumes.NUM_CLASSES
+  for name in ("tokens", "image"):
+    if name in batch:
+      checks.values(owner, name, batch[name], checks.finite, "be finite")
+  checks.integer(owner, "labels", batch["labels"])
+  checks.values(owner, "labels", batch["labels"], lambda v: (v >= 0) & (v < k),
+                f"hold classes in [0, {k})")
+  checks.values(owner, "mask", batch["mask"], lambda m: (m >= 0) & (m <= 1), "lie in [0, 1]")
+  if "coords" in batch:
+    checks.values(owner, "coords", batch["coords"], lambda c: c >= 0, "be >= 0")
+    checks.values(owner, "field_ids", batch["field_ids"],
+                  lambda f: (f >= 0) & (f < MAX_FIELDS), f"lie in [0, {MAX_FIELDS})")
+
+
 def dense_shape(shapes, levels: int) -> tuple[int, ...]:
   """The per-axis maximum of `shapes`, rounded up to a multiple of 2^(levels - 1)."""
   f = 2 ** (levels - 1)
@@ -112,7 +132,7 @@ def build_task(config) -> trainer.Task:
       model=model, loss_fn=loss_fn,
       train_batch=lambda step: view(fields(stream=0, index=step)),
       eval_batch=lambda i: view(fields(stream=1, index=i)),
-      tokens_per_batch=tokens)
+      tokens_per_batch=tokens, check_batch=check_batch)
 
 
 def train_and_evaluate(config, workdir: str) -> trainer.FitResult:

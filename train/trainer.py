@@ -15,6 +15,9 @@ reproduces the uninterrupted run's losses exactly.
 Crash safety (every checkpoint on disk is complete and finite):
 - a non-finite loss or gradient norm raises NonFiniteLossError naming the step, before anything
   from that step is saved; a non-finite state at a save raises NonFiniteStateError instead;
+- a batch that fails the task's host-side check (token ids outside the vocabulary, labels
+  outside the classes, non-finite inputs) raises BadBatchError naming the step and the field
+  before it reaches the devices;
 - SIGTERM or SIGINT saves the current step once and returns normally (FitResult.stopped names
   the signal); a save in flight is finished first, so the rerun resumes from the newest step;
   with several processes (multi-host) a signal to any of them stops all after the same step;
@@ -55,6 +58,10 @@ class NonFiniteLossError(TrainingError):
   """The training loss or gradient norm became NaN or infinite."""
 
 
+class BadBatchError(TrainingError):
+  """A batch from the task failed its host-side value check (Task.check_batch)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
   """What to train.
@@ -66,12 +73,18 @@ class Task:
   train_batch: step -> {name: np.ndarray [global_batch, ...]}, a pure function of the step.
   eval_batch: index -> the same, for evaluation.
   tokens_per_batch: for the tokens/s figure.
+  check_batch: optional (owner, batch) -> None, raising ValueError (naming `owner` and the
+    field) for values the model cannot take: token ids outside the vocabulary, labels outside
+    the classes, non-finite inputs. It runs on the host, on every batch before it reaches the
+    devices (inside a jitted step such a value would silently read the wrong row or poison
+    the run); a few numpy reductions per batch.
   """
   model: nnx.Module
   loss_fn: Callable[[nnx.Module, dict], tuple[jax.Array, dict]]
   train_batch: Callable[[int], dict]
   eval_batch: Callable[[int], dict]
   tokens_per_batch: int
+  check_batch: Callable[[str, dict], None] | None = None
 
 
 @dataclasses.dataclass
@@ -213,6 +226,18 @@ def _init_state(task: Task, tx, mesh):
   return graphdef, rest, state
 
 
+def _batch(task: Task, kind: str, index: int) -> dict:
+  """task.train_batch(index) ("train") or task.eval_batch(index) ("eval"), checked."""
+  batch = (task.train_batch if kind == "train" else task.eval_batch)(index)
+  if task.check_batch is not None:
+    where = f"training batch at step {index}" if kind == "train" else f"evaluation batch {index}"
+    try:
+      task.check_batch(where, batch)
+    except ValueError as e:
+      raise BadBatchError(f"{e}: stopping before it reaches the model") from None
+  return batch
+
+
 def _with_loss(loss_and_aux):
   loss, aux = loss_and_aux
   return {"loss": loss, **aux}
@@ -281,7 +306,7 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
 
     def evaluate(params):
       """{"eval_" + name: mean over the evaluation batches} for the loss and the aux metrics."""
-      rows = jax.device_get([eval_fn(params, sharding.put_batch(task.eval_batch(i), mesh))
+      rows = jax.device_get([eval_fn(params, sharding.put_batch(_batch(task, "eval", i), mesh))
                              for i in range(config.eval_batches)])
       return {f"eval_{k}": float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
@@ -289,7 +314,8 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
     with _StopSignals() as stop:
       try:
         for step in range(start, config.steps):
-          state, step_metrics = train_step(state, sharding.put_batch(task.train_batch(step), mesh))
+          state, step_metrics = train_step(state, sharding.put_batch(_batch(task, "train", step),
+                                                                     mesh))
           if pending is not None:
             loss = record(*pending)        # one step behind: the host check overlaps the next step
           pending = (step, step_metrics)
