@@ -97,7 +97,6 @@ def arm_config(base, arm: str, seed: int):
 
 def model_params(config) -> int:
   kwargs = config.model.to_dict()
-  kwargs["impl"] = trainer.resolve_impl(kwargs["impl"])
   from models.lm import LanguageModel  # noqa: PLC0415
   return common.param_count(nnx.eval_shape(lambda: LanguageModel(**kwargs, rngs=nnx.Rngs(0))))
 

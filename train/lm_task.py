@@ -8,7 +8,8 @@ config.data.kind picks the data:
 Batches are {"inputs", "targets": int [B, L]} (+ "mask" [B, L] for the synthetic tasks), each
 checked on the host (`check_batch`: ids in [0, vocab_size), mask in [0, 1]);
 loss = mean cross entropy (nats/token) over the (masked) positions, plus accuracy when masked.
-config.model.impl "auto" picks "pallas" on TPU/GPU and "xla" on CPU.
+config.model.impl "auto" picks "pallas" where the backend compiles the kernels, else "xla"
+(models.impl: the layers resolve it).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ def make_model(config) -> LanguageModel:
   Initialisation draws from the "rbg" PRNG: it compiles ~4x faster than threefry on CPU.
   """
   kwargs = config.model.to_dict()
-  kwargs["impl"] = trainer.resolve_impl(kwargs["impl"])
   mesh = sharding.make_mesh(config.mesh)
   try:
     return sharding.init_sharded(

@@ -60,7 +60,7 @@ def _pack3d(config, dtype):
       patch=tuple(config.data.patch), in_channels=1, num_classes=volumes.NUM_CLASSES,
       d_model=c.d_model, depth=c.depth, num_heads=c.num_heads, ffn=c.ffn,
       ffn_options=c.ffn_options.to_dict(), attention_options=c.attention_options.to_dict(),
-      impl=trainer.resolve_impl(c.impl), dtype=dtype,
+      impl=c.impl, dtype=dtype,
       rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")))
 
 

@@ -97,13 +97,6 @@ class FitResult:
   stopped: str | None = None  # the signal (SIGTERM, SIGINT) that stopped the run early, if any
 
 
-def resolve_impl(impl: str) -> str:
-  """Kernel choice: "auto" is "pallas" on TPU/GPU and "xla" on CPU; other values pass through."""
-  if impl != "auto":
-    return impl
-  return "pallas" if jax.default_backend() in ("tpu", "gpu", "cuda", "rocm") else "xla"
-
-
 def compute_dtype(config):
   return COMPUTE_DTYPES[config.compute_dtype]
 
