@@ -79,7 +79,13 @@ def param(value: jax.Array, *names: str | None) -> nnx.Param:
   """
   if len(names) != jnp.ndim(value):
     raise ValueError(f"logical axes {names} do not match shape {jnp.shape(value)}")
-  return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+  return nnx.Param(value, **axes_metadata(*names))
+
+
+def axes_metadata(*names: str | None) -> dict:
+  """The metadata `param` sets, for flax layers that take it (`kernel_metadata=`,
+  `bias_metadata=` of nnx.Conv, nnx.Linear, ...)."""
+  return {"out_sharding": tuple(names), "eager_sharding": False}
 
 
 def logical_axes(variable: nnx.Variable) -> tuple:

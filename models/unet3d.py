@@ -16,13 +16,22 @@ from flax import nnx
 
 from jaxops import checks
 from models.norm import RMSNorm
+from models.partitioning import axes_metadata
+
+
+def _conv(conv_class, c_in: int, c_out: int, kernel_size, **kwargs) -> nnx.Module:
+  """An nnx conv whose kernel [k, k, k, c_in, c_out] and bias [c_out] carry logical axes
+  (models.partitioning): input channels "embed" (fsdp), output channels "mlp" (tensor)."""
+  return conv_class(c_in, c_out, kernel_size, **kwargs,
+                    kernel_metadata=axes_metadata(None, None, None, "embed", "mlp"),
+                    bias_metadata=axes_metadata("channels"))
 
 
 class ConvBlock(nnx.Module):
   """Two (3x3x3 conv -> RMSNorm over channels -> SiLU)."""
 
   def __init__(self, c_in: int, c_out: int, *, dtype, rngs: nnx.Rngs):
-    self.convs = nnx.List([nnx.Conv(c, c_out, (3, 3, 3), dtype=dtype, rngs=rngs)
+    self.convs = nnx.List([_conv(nnx.Conv, c, c_out, (3, 3, 3), dtype=dtype, rngs=rngs)
                            for c in (c_in, c_out)])
     self.norms = nnx.List([RMSNorm(c_out), RMSNorm(c_out)])
 
@@ -52,11 +61,11 @@ class UNet3D(nnx.Module):
     self.levels, self.dtype = levels, dtype
     self.down = nnx.List([ConvBlock(c_in, c, dtype=dtype, rngs=rngs)
                           for c_in, c in zip([in_channels] + ch[:-1], ch)])
-    self.up = nnx.List([nnx.ConvTranspose(ch[l + 1], ch[l], (2, 2, 2), strides=(2, 2, 2),
-                                          dtype=dtype, rngs=rngs) for l in range(levels - 1)])
+    self.up = nnx.List([_conv(nnx.ConvTranspose, ch[l + 1], ch[l], (2, 2, 2), strides=(2, 2, 2),
+                              dtype=dtype, rngs=rngs) for l in range(levels - 1)])
     self.merge = nnx.List([ConvBlock(2 * ch[l], ch[l], dtype=dtype, rngs=rngs)
                            for l in range(levels - 1)])
-    self.out = nnx.Conv(ch[0], num_classes, (1, 1, 1), dtype=dtype, rngs=rngs)
+    self.out = _conv(nnx.Conv, ch[0], num_classes, (1, 1, 1), dtype=dtype, rngs=rngs)
 
   def __call__(self, image):
     """image [B, Z, Y, X, C] -> logits [B, Z, Y, X, K] float32."""

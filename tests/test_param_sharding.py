@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from configs import lm_smoke
-from models import LanguageModel, Pack3DSegmenter
+from models import LanguageModel, Pack3DSegmenter, UNet3D
 from models.partitioning import logical_axes
 from train import lm_task, sharding, trainer
 from train.metrics import read_metrics
@@ -59,7 +59,8 @@ def device_bytes(model, device) -> int:
     lambda: Pack3DSegmenter(patch=(2, 2, 2), in_channels=1, num_classes=3, d_model=48, depth=1,
                             num_heads=2, ffn="flashffn",
                             ffn_options={"num_experts": 2, "d_expert": 16}, rngs=nnx.Rngs(0)),
-], ids=["lm_frac_flashffn", "lm_attention_swiglu", "pack3d_segmenter"])
+    lambda: UNet3D(in_channels=1, num_classes=4, base_channels=8, levels=2, rngs=nnx.Rngs(0)),
+], ids=["lm_frac_flashffn", "lm_attention_swiglu", "pack3d_segmenter", "unet3d"])
 def test_every_parameter_carries_its_logical_axes(build):
   """The names live on the parameters (nnx.get_partition_spec reads them), one per dimension,
   and every array is sharded over at least one mesh axis on the 2x2x2 mesh."""
