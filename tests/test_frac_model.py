@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +46,7 @@ def test_decoding_equals_full_sequence(mamba2):
     y_t, cache = step(layer, _x()[:, t], cache)
     ys.append(y_t)
   kernel_checks.assert_close(jnp.stack(ys, axis=1), _outputs("xla", mamba2), rtol=1e-5)
-  assert jax.tree.map(jnp.shape, cache) == jax.tree.map(jnp.shape, layer.init_cache(2))
+  chex.assert_trees_all_equal_shapes_and_dtypes(cache, layer.init_cache(2))
 
 
 def test_cache_size_with_the_default_mode_count():
@@ -61,7 +62,7 @@ def test_cache_size_with_the_default_mode_count():
     cache = layer.init_cache(1)
     assert sum(a.size for a in jax.tree.leaves(cache)) == 3 * (16 + 2 * 8) + 2 * modes * 8 * 8
     _, stepped = nnx.eval_shape(lambda m, x, c: m.step(x, c), layer, x_t, cache)
-    assert jax.tree.map(jnp.shape, stepped) == jax.tree.map(jnp.shape, cache)
+    chex.assert_trees_all_equal_shapes_and_dtypes(stepped, cache)
 
 
 def test_mamba2_baseline_is_an_exponential_ssm():
