@@ -148,33 +148,30 @@ class FRACMixer(nnx.Module):
     return rates * jnp.exp(log_timescale)[:, None], weights
 
   def _project(self, x):
-    """x [..., d] -> (z [..., d_in], xbc [..., d_in + 2N] before the conv, dt_raw [..., H]).
+    """x [..., d] -> (z, x_in [..., d_in], bc [..., 2N] before the conv, dt_raw [..., H]).
 
-    One matmul with the pieces of the fused projection put back side by side."""
+    One matmul per piece (not one on the pieces concatenated): each is then column-parallel
+    over its own layout under a mesh."""
     dtype = self.dtype or x.dtype
-    w_zx = self.in_proj[...]
-    w = jnp.concatenate([w_zx.reshape(w_zx.shape[0], -1), self.bc_proj[...],
-                         self.dt_proj[...]], axis=1)
-    proj = x.astype(dtype) @ w.astype(dtype)
-    d_inner = w_zx.shape[-1]
-    z, xbc, dt_raw = jnp.split(proj, [d_inner, 2 * d_inner + 2 * self.state_dim], axis=-1)
-    return z, xbc, dt_raw
+    x = x.astype(dtype)
+    zx = jnp.einsum("...d,dkc->...kc", x, self.in_proj[...].astype(dtype))
+    return (zx[..., 0, :], zx[..., 1, :], x @ self.bc_proj[...].astype(dtype),
+            x @ self.dt_proj[...].astype(dtype))
 
-  def _conv(self, window):
-    """Causal depthwise conv + silu over the [x | B | C] channels:
-    window [B, n + W - 1, d_in + 2N] -> [B, n, d_in + 2N]."""
-    dtype = window.dtype
-    w = jnp.concatenate([self.conv_weight[...], self.bc_conv_weight[...]], 1).astype(dtype)
-    bias = jnp.concatenate([self.conv_bias[...], self.bc_conv_bias[...]]).astype(dtype)
+  @staticmethod
+  def _conv(window, weight, bias):
+    """Causal depthwise conv + silu: window [B, n + W - 1, D], weight [W, D], bias [D]
+    -> [B, n, D]."""
+    w = weight[...].astype(window.dtype)
     width, n = w.shape[0], window.shape[1] - w.shape[0] + 1
     out = sum(window[:, k:k + n] * w[k] for k in range(width))
-    return jax.nn.silu(out + bias)
+    return jax.nn.silu(out + bias[...].astype(window.dtype))
 
-  def _scan_inputs(self, xbc, dt_raw):
-    """-> x [..., H, P], dt [..., H] float32, b, c [..., H, N] (shared by the heads)."""
+  def _scan_inputs(self, xs, bc, dt_raw):
+    """Conv outputs xs [..., d_in], bc [..., 2N] -> x [..., H, P], dt [..., H] float32,
+    b, c [..., H, N] (shared by the heads)."""
     n, h = self.state_dim, dt_raw.shape[-1]
-    d_inner = xbc.shape[-1] - 2 * n
-    xs, b, c = jnp.split(xbc, [d_inner, d_inner + n], axis=-1)
+    b, c = jnp.split(bc, [n], axis=-1)
     xs = xs.reshape(*xs.shape[:-1], h, self.head_dim)
     b, c = (jnp.broadcast_to(v[..., None, :], (*v.shape[:-1], h, n)) for v in (b, c))
     dt = jax.nn.softplus(dt_raw.astype(_F32) + self.dt_bias[...].astype(_F32))
@@ -196,15 +193,20 @@ class FRACMixer(nnx.Module):
     y = (self._gated_norm(y) * self.norm_gain[...].astype(_F32)).astype(z.dtype)
     return y @ self.out_proj[...].astype(z.dtype)
 
+  def _convolve(self, xs, bc):
+    """The causal conv of the x and the B, C channels: windows [B, n + W - 1, .] each."""
+    return (self._conv(xs, self.conv_weight, self.conv_bias),
+            self._conv(bc, self.bc_conv_weight, self.bc_conv_bias))
+
   # --------------------------------------------------------------------------- API
 
   def __call__(self, x):
     """x [B, L, d] -> [B, L, d] in the compute dtype."""
     checks.sequence("FRACMixer", "x", x, self.in_proj.shape[0])
-    z, xbc, dt_raw = self._project(x)
-    width = self.conv_weight.shape[0]
-    xbc = self._conv(jnp.pad(xbc, ((0, 0), (width - 1, 0), (0, 0))))
-    xs, dt, b, c = self._scan_inputs(xbc, dt_raw)
+    z, xs, bc, dt_raw = self._project(x)
+    causal = ((0, 0), (self.conv_weight.shape[0] - 1, 0), (0, 0))
+    xs, bc = self._convolve(jnp.pad(xs, causal), jnp.pad(bc, causal))
+    xs, dt, b, c = self._scan_inputs(xs, bc, dt_raw)
     rates, weights = self.modes()
     if self.impl == "pallas":
       blocks = {} if self.chunk is None else {"chunk": self.chunk}
@@ -217,12 +219,14 @@ class FRACMixer(nnx.Module):
     return self._output(y, xs, z)
 
   def init_cache(self, batch: int, dtype=None):
-    """Decoding cache: the conv window [B, W - 1, d_in + 2N] and the state [B, H, M, N, P]."""
+    """Decoding cache: the conv windows of x [B, W - 1, d_in] and of B, C [B, W - 1, 2N], and
+    the state [B, H, M, N, P]."""
     checks.ints("FRACMixer.init_cache", {"batch": batch})
-    conv_dim = self.conv_weight.shape[1] + self.bc_conv_weight.shape[1]
     dtype = dtype or self.dtype or self.in_proj[...].dtype
+    window = self.conv_weight.shape[0] - 1
     return {
-        "conv": jnp.zeros((batch, self.conv_weight.shape[0] - 1, conv_dim), dtype),
+        "conv_x": jnp.zeros((batch, window, self.conv_weight.shape[1]), dtype),
+        "conv_bc": jnp.zeros((batch, window, self.bc_conv_weight.shape[1]), dtype),
         "state": jnp.zeros((batch, self.num_heads, self.num_modes, self.state_dim,
                             self.head_dim), _F32),
     }
@@ -232,9 +236,12 @@ class FRACMixer(nnx.Module):
     d_model = self.in_proj.shape[0]
     checks.shape("FRACMixer.step", "x_t", x_t, (None, d_model), f"[B, d_model={d_model}]")
     checks.floating("FRACMixer.step", "x_t", x_t)
-    z, xbc, dt_raw = self._project(x_t)
-    window = jnp.concatenate([cache["conv"].astype(xbc.dtype), xbc[:, None]], axis=1)
-    xs, dt, b, c = self._scan_inputs(self._conv(window)[:, 0], dt_raw)
+    z, xs, bc, dt_raw = self._project(x_t)
+    win_x, win_bc = (jnp.concatenate([cache[k].astype(v.dtype), v[:, None]], axis=1)
+                     for k, v in (("conv_x", xs), ("conv_bc", bc)))
+    xs, bc = (v[:, 0] for v in self._convolve(win_x, win_bc))
+    xs, dt, b, c = self._scan_inputs(xs, bc, dt_raw)
     y, state = frac_ops.frac_step(cache["state"], xs, dt, b, c, *self.modes())
-    return self._output(y, xs, z), {"conv": window[:, 1:].astype(cache["conv"].dtype),
+    return self._output(y, xs, z), {"conv_x": win_x[:, 1:].astype(cache["conv_x"].dtype),
+                                    "conv_bc": win_bc[:, 1:].astype(cache["conv_bc"].dtype),
                                     "state": state}

@@ -95,8 +95,10 @@ class LanguageModel(nnx.Module):
   def __call__(self, tokens):
     """tokens [B, L] int -> logits [B, L, V] float32."""
     self._check_tokens("LanguageModel", "tokens", tokens, 2, "[B, L]")
-    x = self.embed[...][tokens].astype(self.dtype or jnp.float32)
-    x = constrain(x, ("batch", "seq", None))
+    # the table is gathered whole at use (as FSDP gathers every weight): a lookup into a table
+    # split over vocab and d has no efficient SPMD lowering (XLA replicates it "involuntarily")
+    table = constrain(self.embed[...], (None, None))
+    x = constrain(table[tokens].astype(self.dtype or jnp.float32), ("batch", "seq", None))
     for block in self.blocks:
       x = block(x)
     return constrain(self._logits(x), ("batch", "seq", "act_vocab"))

@@ -75,8 +75,10 @@ def test_mamba2_baseline_is_an_exponential_ssm():
   np.testing.assert_allclose(rates[:, 0], jnp.exp(layer.log_timescale[...]), rtol=1e-6)
   np.testing.assert_allclose(layer.alpha(), 1.0)
   x = _x()
-  z, xbc, dt_raw = layer._project(x)
-  xs, dt, b, c = layer._scan_inputs(layer._conv(jnp.pad(xbc, ((0, 0), (3, 0), (0, 0)))), dt_raw)
+  z, xs, bc, dt_raw = layer._project(x)
+  causal = ((0, 0), (3, 0), (0, 0))
+  xs, dt, b, c = layer._scan_inputs(*layer._convolve(jnp.pad(xs, causal), jnp.pad(bc, causal)),
+                                    dt_raw)
   a = jnp.exp(layer.log_timescale[...])
   state, ys = jnp.zeros((2, 2, 8, 8)), []
   for t in range(L):
