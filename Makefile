@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# Two workers, whole files each (a file's tests share their compiled functions and fixtures).
 test: setup
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile
 
 test-slow: setup
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m slow

@@ -75,14 +75,3 @@ def test_generate_beyond_the_kv_cache_fails():
   with pytest.raises(ValueError, match="context"):
     tiny().generate(jnp.zeros((1, 20), jnp.int32), 10)
 
-
-def test_pallas_flashffn_under_shard_map_equals_one_device():
-  """Block runs the kernel through partitioning.shard_layer under a 2x2x2 mesh."""
-  from jax.sharding import Mesh
-  model = tiny("attention", "flashffn", impl="pallas")
-  tokens = jnp.arange(4 * 16).reshape(4, 16) % 256
-  expected = model(tokens)
-  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
-  with jax.set_mesh(mesh):
-    got = nnx.jit(lambda m, t: m(t))(model, tokens)
-  np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)

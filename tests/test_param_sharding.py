@@ -103,8 +103,13 @@ def test_parameters_created_sharded_and_held_once_per_fsdp_tensor_group(capsys):
   assert per_device[0] < 1.01 * total / 4
 
 
+@pytest.mark.slow
 def test_sharded_losses_equal_one_device(tmp_path):
-  """3 training steps of a one-layer FRAC + FlashFFN LM: 2x2x2 mesh vs one device, rtol 1e-5
+  """3 training steps of a one-layer FRAC + FlashFFN LM (XLA path): 2x2x2 mesh vs one device.
+  Slow (~45 s) and in the default run twice over: XLA's partitioner keeps the math (the
+  attention LM's sharded run is tests/test_train.py's), and where layer code does the
+  splitting (the kernels under shard_map) test_kernels_run_on_local_heads_under_shard_map
+  checks outputs and gradients. rtol 1e-5
   (the same math with reductions split differently: float32 rounding only; seen: equal to 4
   decimals). The trained parameters stay in the init layout."""
   runs = {}
