@@ -1,0 +1,62 @@
+"""Parameter bytes one device holds inside shard_map for the Pallas layers, tensor = 2.
+
+  python -m benchmarks.shard_param_bytes
+
+Under a mesh the kernel layers run inside jax.shard_map (models.partitioning.shard_layer), where
+each parameter enters split over "tensor" along its head dimensions (HEAD_AXES) and whole
+otherwise. Shapes only (nnx.eval_shape of the lm_default and seg3d_cells models); "whole" is
+what a device would hold if the layer's parameters entered replicated.
+"""
+
+from __future__ import annotations
+
+import math
+
+from flax import nnx
+
+from configs import lm_default, seg3d_cells
+from models import FlashFFN, FRACMixer, LanguageModel, Pack3DAttention, Pack3DSegmenter
+from models.partitioning import HEAD_AXES, logical_axes
+
+TENSOR = 2
+
+
+def inside_bytes(layer: nnx.Module, tensor: int) -> int:
+  total = 0
+  for _, v in nnx.iter_graph(layer):
+    if isinstance(v, nnx.Param):
+      split = tensor if any(n in HEAD_AXES for n in logical_axes(v)) else 1
+      value = v.get_value()
+      total += math.prod(value.shape) * value.dtype.itemsize // split
+  return total
+
+
+def models() -> dict[str, nnx.Module]:
+  lm = lm_default.get_config().model.to_dict()
+  seg = seg3d_cells.get_config()
+  m = seg.model
+  return {
+      "lm_default": nnx.eval_shape(lambda: LanguageModel(**{**lm, "impl": "xla"},
+                                                         rngs=nnx.Rngs(0))),
+      "seg3d_cells": nnx.eval_shape(lambda: Pack3DSegmenter(
+          patch=tuple(seg.data.patch), in_channels=1, num_classes=4, d_model=m.d_model,
+          depth=m.depth, num_heads=m.num_heads, ffn=m.ffn, ffn_options=m.ffn_options.to_dict(),
+          attention_options=m.attention_options.to_dict(), impl="xla", rngs=nnx.Rngs(0))),
+  }
+
+
+def main():
+  print(f"| model | layer | count | bytes per device, whole | split over tensor={TENSOR} | ratio |")
+  print("|---|---|---|---|---|---|")
+  for name, model in models().items():
+    for cls in (FRACMixer, Pack3DAttention, FlashFFN):
+      layers = [v for _, v in nnx.iter_graph(model) if isinstance(v, cls)]
+      if layers:
+        whole = sum(inside_bytes(layer, 1) for layer in layers)
+        split = sum(inside_bytes(layer, TENSOR) for layer in layers)
+        print(f"| {name} | {cls.__name__} | {len(layers)} | {whole:,} | {split:,} |"
+              f" {whole / split:.2f}x |")
+
+
+if __name__ == "__main__":
+  main()
