@@ -2,7 +2,8 @@
 on lag recall (accuracy per lag, lags up to 2048) and MQAR with power-law gaps (per gap).
 
   python -m experiments.frac_memory --config=configs/exp_frac_memory.py \
-      [--stages=train,plot] [--tasks=lag_recall,mqar] [--only=frac,attention] [--seeds=0]
+      [--stages=train,kernels,dt,plot] [--tasks=lag_recall,mqar] [--only=frac,attention]
+      [--seeds=0]
 
 Every (task, arm, seed) trains with train.trainer.fit in runs/experiments/frac_memory/<task>/
 <arm>/seed<k> and is then evaluated on held-out batches (stream VAL): lag recall with
@@ -206,6 +207,64 @@ def kernels_stage(base, tasks, arms, results) -> None:
   results.set("kernels_at_init", out)
 
 
+def _trained_model(base, task: str, arm: str, seed: int, runs_dir: pathlib.Path, name: str):
+  """The model of a finished run, restored from its workdir (fit resumes at the last step and
+  trains nothing)."""
+  t = base.experiment.tasks[task]
+  config = run_config(base, task, arm, seed)
+  train_batch, eval_batch = batches(task, t, config)
+  task_obj = trainer.Task(model=lm_task.make_model(config), loss_fn=lm_task.lm_loss,
+                          train_batch=train_batch, eval_batch=eval_batch,
+                          tokens_per_batch=t.batch * t.length)
+  return trainer.fit(config, runs_dir / name / task / arm / f"seed{seed}", task_obj).model
+
+
+def dt_stage(base, arms, seeds, results, runs_dir: pathlib.Path, name: str) -> None:
+  """How far the trained recurrent arms let their memory clock run on value recall.
+
+  Per layer and head, on held-out sequences: dt at the value (position 1), the mean dt over
+  the distractors, and the warped time between the value and the query at the longest lag,
+  Delta T = sum of dt over the positions after the value up to that query, with the trained
+  memory kernel there, K(Delta T) / K(0) (K(u) = sum_m w_m exp(-r_m u)). A selective layer can
+  hold one token over any lag by keeping dt near 0 on the distractors, whatever the shape of
+  K; at initialisation dt ~ 1, so Delta T ~ lag. Written to results["dt_probe"]."""
+  task = "value_recall"
+  t = base.experiment.tasks[task]
+  lag = int(max(t.lags))
+  b = memory_tasks.value_recall(seed=10_000, stream=text.VAL, index=0, batch=t.batch,
+                                length=t.length, vocab=t.vocab, lags=tuple(t.lags))
+  out = {}
+  for arm in arms:
+    for seed in seeds:
+      key = f"{task}/{common.run_key(arm, seed)}"
+      if base.experiment.arms[arm].mixer == "attention" or not results.has(key):
+        continue
+      model = _trained_model(base, task, arm, seed, runs_dir, name)
+      x = model.embed[...][jnp.asarray(b["inputs"])]
+      layers = []
+      for block in model.blocks:
+        mixer = block.mixer
+        dt_raw = mixer._project(block.norm1(x))[-1]
+        dt = np.asarray(jax.nn.softplus(dt_raw + mixer.dt_bias[...]), np.float64)  # [B, L, H]
+        rates, weights = (np.asarray(v, np.float64) for v in mixer.modes())
+        distractors = np.ones(t.length, bool)
+        distractors[[0, 1, *(1 + np.asarray(t.lags))]] = False
+        span = dt[:, 2:2 + lag].sum(1)                                     # [B, H]
+        k = (weights[None] * np.exp(-rates[None] * span[..., None])).sum(-1) / weights.sum(-1)
+        layers.append({"dt_value": dt[:, 1].mean(0).round(4).tolist(),
+                       "dt_distractors": dt[:, distractors].mean((0, 1)).round(5).tolist(),
+                       "dt_queries": dt[:, 1 + np.asarray(t.lags)].mean((0, 1)).round(4).tolist(),
+                       "delta_t_longest_lag": span.mean(0).round(2).tolist(),
+                       "kernel_over_k0_longest_lag": k.mean(0).round(5).tolist()})
+        x = block(x)
+      out[key] = {"longest_lag": lag, "layers": layers}
+      common.log(f"dt {key}: " + "; ".join(
+          f"layer {i}: dt distractors {l['dt_distractors']}, Delta T({lag}) "
+          f"{l['delta_t_longest_lag']}, K/K0 {l['kernel_over_k0_longest_lag']}"
+          for i, l in enumerate(layers)))
+  results.set("dt_probe", out)
+
+
 def plot(results, base, tasks, path) -> None:
   plt = common.pyplot()
   fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 4.6), squeeze=False)
@@ -257,6 +316,8 @@ def main(argv):
     train_stage(base, tasks, arms, seeds, results, pathlib.Path(F.runs_dir), F.name)
   if "kernels" in stages:
     kernels_stage(base, tasks, arms, results)
+  if "dt" in stages:
+    dt_stage(base, arms, seeds, results, pathlib.Path(F.runs_dir), F.name)
   if "plot" in stages:
     plot(results, base, list(base.experiment.task_order),
          pathlib.Path(F.results_dir) / f"{F.name}.png")
