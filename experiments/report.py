@@ -124,6 +124,20 @@ def frac_memory(d) -> str:
                  "head, u = lag x dt(init)\n\n" + _table(
                      ["task/arm", "head", "alpha", "dt", "modes"]
                      + [f"lag {l}" for l in lags], rows))
+  if "dt_probe" in d:
+    rows = []
+    for key, probe in d["dt_probe"].items():
+      for i, layer in enumerate(probe["layers"]):
+        for h in range(len(layer["dt_distractors"])):
+          rows.append([f"`{key}`", i, h, f"{layer['dt_value'][h]:.3f}",
+                       f"{layer['dt_distractors'][h]:.3f}",
+                       f"{layer['delta_t_longest_lag'][h]:.0f}",
+                       f"{layer['kernel_over_k0_longest_lag'][h]:.3f}"])
+    lag = next(iter(d["dt_probe"].values()))["longest_lag"]
+    out.append(f"**Trained dt on value recall** (`--stages=dt`): Delta T = sum of dt from the "
+               f"value to the query at lag {lag}\n\n" + _table(
+                   ["task/arm/seed", "layer", "head", "dt at the value", "dt on distractors",
+                    f"Delta T (lag {lag})", "K(Delta T)/K(0)"], rows))
   return "\n\n".join(out)
 
 
