@@ -88,7 +88,7 @@ def lm(d) -> str:
 def frac_memory(d) -> str:
   out = []
   order = ["frac", "mamba2_params", "mamba2_state", "attention"]
-  for task in ("lag_recall", "value_recall", "mqar"):
+  for task in ("lag_recall", "value_recall", "mqar", "mqar_short"):
     runs = {k: r for k, r in d["runs"].items() if r["task"] == task}
     if not runs:
       continue
