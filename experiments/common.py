@@ -83,7 +83,16 @@ class Results:
     self.save()
 
   def save(self) -> None:
-    tmp = self.path.with_suffix(".json.tmp")
+    """Atomic. Runs and sections that another process wrote to the file since this one loaded
+    it are kept (two runners of one experiment, e.g. on different arms, can share the file;
+    this process's own entries win)."""
+    if self.path.exists():
+      disk = json.loads(self.path.read_text())
+      for key, run in disk.get("runs", {}).items():
+        self.runs.setdefault(key, run)
+      for section, value in disk.items():
+        self.data.setdefault(section, value)
+    tmp = self.path.with_suffix(f".json.tmp{os.getpid()}")
     tmp.write_text(json.dumps(self.data, indent=1, sort_keys=False) + "\n")
     os.replace(tmp, self.path)
 

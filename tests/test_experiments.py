@@ -213,3 +213,15 @@ def test_results_file_resumes(tmp_path):
   assert common.selected(["a", "b"], "b") == ["b"]
   with pytest.raises(ValueError, match="unknown arms"):
     common.selected(["a"], "c")
+
+
+def test_results_file_keeps_a_concurrent_runners_entries(tmp_path):
+  """Two runners loaded the file before either wrote: neither save drops the other's runs."""
+  first, second = (common.Results("demo", directory=tmp_path) for _ in range(2))
+  first.put("a/seed0", {"x": 1})
+  second.put("b/seed0", {"x": 2})
+  second.set("profile", {"b": 1})
+  first.put("a/seed1", {"x": 3})
+  on_disk = common.Results("demo", directory=tmp_path)
+  assert sorted(on_disk.runs) == ["a/seed0", "a/seed1", "b/seed0"]
+  assert on_disk.data["profile"] == {"b": 1}
