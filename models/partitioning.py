@@ -165,9 +165,10 @@ def shard_layer(layer: nnx.Module, x: jax.Array, *extra: jax.Array, split_seq: b
   is_var = lambda v: isinstance(v, nnx.Variable)
   if split_heads and tensor > 1:
     specs = jax.tree.map(lambda v: _heads_spec(v, tensor), state, is_leaf=is_var)
-    if all(s is not None for s in jax.tree.leaves(specs)):
-      state_specs = jax.tree.map(lambda v: v.replace(_heads_spec(v, tensor)), state,
-                                 is_leaf=is_var)
+    # None (a head dimension "tensor" does not divide) is an empty subtree to jax.tree.leaves
+    # unless asked for as a leaf
+    if None not in jax.tree.leaves(specs, is_leaf=lambda s: s is None):
+      state_specs = jax.tree.map(lambda v, s: v.replace(s), state, specs, is_leaf=is_var)
       # [tensor, B, L, ...] partial sums, one per head group, added up outside the map (with
       # check_vma=False a psum inside would be transposed to a second psum)
       partial = jax.shard_map(lambda *a: run(*a)[None], in_specs=(state_specs, x_spec)

@@ -183,3 +183,24 @@ def test_kernels_run_on_local_heads_under_shard_map(kind, monkeypatch):
   assert seen[-1] == (1, length, 1, width)       # B / (data fsdp), L, H / tensor, head dim
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))))
+
+
+def test_heads_the_tensor_axis_does_not_divide_run_replicated_on_a_sequence_split(monkeypatch):
+  """FlashFFN with 3 heads under tensor = 2: its parameters enter whole and the tokens are split
+  over tensor along L instead (shard_layer's fallback); outputs and gradients equal one
+  device's."""
+  from models import flash_ffn as ffn_module
+  model = LanguageModel(d_model=48, num_layers=1, num_heads=3, context=16, ffn="flashffn",
+                        ffn_options={"num_experts": 2, "d_expert": 16}, impl="pallas",
+                        rngs=nnx.Rngs(0))
+  tokens = jnp.arange(4 * 16).reshape(4, 16) % 256
+  seen, original = [], ffn_module.ffn_kernel.mhffn
+  monkeypatch.setattr(ffn_module.ffn_kernel, "mhffn",
+                      lambda q, *a, **k: seen.append(q.shape) or original(q, *a, **k))
+  step = nnx.jit(lambda m: nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(tokens))))(m))
+  expected = step(model)
+  with jax.set_mesh(sharding.make_mesh(MESH)):
+    got = step(model)
+  assert seen[-1] == (1, 8, 3, 16)               # B / (data fsdp), L / tensor, all 3 heads
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))))
