@@ -53,13 +53,6 @@ def make_mesh(mesh_config) -> Mesh:
   return Mesh(devices, MESH_AXES)
 
 
-def param_shardings(model, params, mesh: Mesh):
-  """NamedShardings for `params` (= nnx.state(model, nnx.Param), same tree) from the logical
-  axes each parameter carries. `model` is unused (kept for callers)."""
-  del model
-  return state_shardings(params, mesh)
-
-
 def state_shardings(state, mesh: Mesh):
   """NamedShardings (same tree as the nnx.State `state`, concrete or abstract): by each
   variable's logical axes through RULES; variables without any (and non-Param state) are

@@ -211,7 +211,7 @@ def _init_state(task: Task, tx, mesh):
   """Fresh sharded state and the graph pieces to rebuild the model from params."""
   graphdef, params, rest = nnx.split(task.model, nnx.Param, ...)
   # copies (may_alias=False): the donated train state must not own task.model's arrays
-  params = jax.device_put(params, sharding.param_shardings(task.model, params, mesh),
+  params = jax.device_put(params, sharding.state_shardings(params, mesh),
                           may_alias=False)
   rest = jax.device_put(rest, NamedSharding(mesh, P()), may_alias=False)
   state = {"step": jnp.zeros((), jnp.int32), "params": params,
