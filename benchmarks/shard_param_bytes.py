@@ -15,8 +15,9 @@ import math
 from flax import nnx
 
 from configs import lm_default, seg3d_cells
-from models import FlashFFN, FRACMixer, LanguageModel, Pack3DAttention, Pack3DSegmenter
+from models import FlashFFN, FRACMixer, LanguageModel, Pack3DAttention
 from models.partitioning import HEAD_AXES, logical_axes
+from train import seg3d_task
 
 TENSOR = 2
 
@@ -33,15 +34,12 @@ def inside_bytes(layer: nnx.Module, tensor: int) -> int:
 
 def models() -> dict[str, nnx.Module]:
   lm = lm_default.get_config().model.to_dict()
-  seg = seg3d_cells.get_config()
-  m = seg.model
   return {
       "lm_default": nnx.eval_shape(lambda: LanguageModel(**{**lm, "impl": "xla"},
                                                          rngs=nnx.Rngs(0))),
-      "seg3d_cells": nnx.eval_shape(lambda: Pack3DSegmenter(
-          patch=tuple(seg.data.patch), in_channels=1, num_classes=4, d_model=m.d_model,
-          depth=m.depth, num_heads=m.num_heads, ffn=m.ffn, ffn_options=m.ffn_options.to_dict(),
-          attention_options=m.attention_options.to_dict(), impl="xla", rngs=nnx.Rngs(0))),
+      # the trainer's own builder (seg3d_task._pack3d), shapes only
+      "seg3d_cells": nnx.eval_shape(lambda: seg3d_task._pack3d(seg3d_cells.get_config(),
+                                                               None)),
   }
 
 
