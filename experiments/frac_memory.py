@@ -135,6 +135,16 @@ def evaluate(task: str, t, model, config) -> dict:
           "accuracy": float(correct.mean()), "chance": 1.0 / ((t.vocab - synthetic.FIRST) // 2)}
 
 
+def trainer_task(base, task: str, arm: str, seed: int):
+  """(trainer config, trainer.Task) of one (task, arm, seed), its model freshly initialised."""
+  t = base.experiment.tasks[task]
+  config = run_config(base, task, arm, seed)
+  train_batch, eval_batch = batches(task, t, config)
+  return config, trainer.Task(model=lm_task.make_model(config), loss_fn=lm_task.lm_loss,
+                              train_batch=train_batch, eval_batch=eval_batch,
+                              tokens_per_batch=t.batch * t.length)
+
+
 def train_stage(base, tasks, arms, seeds, results, runs_dir, name: str = NAME) -> None:
   """Trains every (task, arm, seed) not in `results`, in runs_dir/<name>/<task>/<arm>/seed<k>
   (`name` = the results file's: a side study must not resume the main study's checkpoints)."""
@@ -146,9 +156,8 @@ def train_stage(base, tasks, arms, seeds, results, runs_dir, name: str = NAME) -
         if results.has(key):
           common.log(f"{key}: done already, skipped")
           continue
-        config = run_config(base, task, arm, seed)
-        train_batch, eval_batch = batches(task, t, config)
-        model = lm_task.make_model(config)
+        config, task_obj = trainer_task(base, task, arm, seed)
+        model = task_obj.model
         n = common.param_count(model)
         mixer = model.blocks[0].mixer
         state = (int(mixer.num_heads * mixer.num_modes * mixer.state_dim * mixer.head_dim)
@@ -156,8 +165,6 @@ def train_stage(base, tasks, arms, seeds, results, runs_dir, name: str = NAME) -
         common.log(f"{key}: {n:,} parameters, recurrent state per layer {state}, "
                    f"{config.steps} steps x batch {config.batch_size} x L {t.length}, "
                    f"mixer_options {dict(config.model.mixer_options)}")
-        task_obj = trainer.Task(model=model, loss_fn=lm_task.lm_loss, train_batch=train_batch,
-                                eval_batch=eval_batch, tokens_per_batch=t.batch * t.length)
         workdir = runs_dir / name / task / arm / f"seed{seed}"
         load0, t0 = common.machine_load(), time.perf_counter()
         fit = trainer.fit(config, workdir, task_obj)
@@ -210,12 +217,7 @@ def kernels_stage(base, tasks, arms, results) -> None:
 def _trained_model(base, task: str, arm: str, seed: int, runs_dir: pathlib.Path, name: str):
   """The model of a finished run, restored from its workdir (fit resumes at the last step and
   trains nothing)."""
-  t = base.experiment.tasks[task]
-  config = run_config(base, task, arm, seed)
-  train_batch, eval_batch = batches(task, t, config)
-  task_obj = trainer.Task(model=lm_task.make_model(config), loss_fn=lm_task.lm_loss,
-                          train_batch=train_batch, eval_batch=eval_batch,
-                          tokens_per_batch=t.batch * t.length)
+  config, task_obj = trainer_task(base, task, arm, seed)
   return trainer.fit(config, runs_dir / name / task / arm / f"seed{seed}", task_obj).model
 
 
