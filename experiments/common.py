@@ -36,6 +36,13 @@ def machine_load() -> dict:
           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def versions() -> dict:
+  """The software a run used (every results row records it)."""
+  import flax  # noqa: PLC0415
+  return {"jax": jax.__version__, "flax": flax.__version__,
+          "python": ".".join(map(str, sys.version_info[:3]))}
+
+
 def stats(values) -> dict:
   """{"mean", "std" (ddof=1; 0 for one value), "min", "max", "n"} of a list of numbers."""
   v = np.asarray([x for x in values if x is not None], np.float64)

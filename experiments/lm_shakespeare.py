@@ -84,15 +84,39 @@ def whole_split_loss(model, data: np.ndarray, length: int, *, batch: int = 128) 
 
 # ----------------------------------------------------------------------------- arms
 
-def arm_config(base, arm: str, seed: int):
-  """The trainer config of one arm and seed."""
+def arm_config(base, arm: str, seed: int, lr: float | None = None):
+  """The trainer config of one arm and seed (at learning rate `lr`, None: the config's)."""
   c = copy.deepcopy(base)
   with c.unlocked():
     c.seed = seed
-    for key, value in base.experiment.arms[arm].items():
+    for key, value in base.experiment.arms[arm].items():   # replaced whole, not merged
       c.model[key] = value
+    if lr is not None:
+      c.optim.lr = lr
     del c["experiment"]
   return c
+
+
+def sweep_lrs(base) -> tuple:
+  """The learning rates every arm is tried at (config.experiment.lrs; default: the config's)."""
+  return tuple(base.experiment.get("lrs", None) or (base.optim.lr,))
+
+
+def run_label(base, arm: str, lr: float) -> str:
+  """`arm` when the experiment has one learning rate, else `arm@lr<lr>`."""
+  return arm if len(sweep_lrs(base)) == 1 else f"{arm}@lr{lr:g}"
+
+
+def best_lr(base, results: common.Results, arm: str, seed: int) -> float | None:
+  """The swept learning rate with the lowest whole-split loss of `arm` at `seed` (None until
+  every one has run)."""
+  losses = {}
+  for lr in sweep_lrs(base):
+    key = common.run_key(run_label(base, arm, lr), seed)
+    if not results.has(key):
+      return None
+    losses[lr] = results.runs[key]["val_loss_whole"]
+  return min(losses, key=losses.get)
 
 
 def model_params(config) -> int:
@@ -123,40 +147,64 @@ def curve(workdir) -> dict:
 
 
 def train_stage(base, arms, seeds, results: common.Results, runs_dir) -> None:
+  """Every arm at every swept learning rate with the first seed, then the other seeds at each
+  arm's best learning rate (its lowest whole-split loss at the first seed)."""
   counts = check_matched(base, arms)
   results.data["meta"].update({
       "param_counts": counts, "budget": {"steps": base.steps, "batch": base.batch_size,
                                          "context": base.model.context},
-      "data": base.data.path, "val_fraction": base.data.val_fraction})
-  _, val_bytes = text.split(text.load_corpus(base.data.path), base.data.val_fraction)
-  for seed in seeds:                      # seed-major: a partial run still covers every arm
+      "data": base.data.path or "stdlib", "max_bytes": base.data.max_bytes,
+      "val_fraction": base.data.val_fraction, "lrs": list(sweep_lrs(base))})
+  _, val_bytes = text.split(text.load_corpus(base.data.path, max_bytes=base.data.max_bytes),
+                            base.data.val_fraction)
+  run = functools.partial(_train_one, base, results, runs_dir, counts, val_bytes)
+  for arm in arms:
+    for lr in sweep_lrs(base):
+      run(arm, lr, seeds[0])
+  for seed in seeds[1:]:                  # seed-major: a partial run still covers every arm
     for arm in arms:
-      key = common.run_key(arm, seed)
-      if results.has(key):
-        common.log(f"{key}: done already, skipped")
-        continue
-      config = arm_config(base, arm, seed)
-      workdir = runs_dir / NAME / arm / f"seed{seed}"
-      task = lm_task.build_task(config)
-      n = common.param_count(task.model)
-      common.log(f"{key}: {n:,} parameters ({n / counts[base.experiment.reference_arm] - 1:+.2%}"
-                 f" vs {base.experiment.reference_arm}); workdir {workdir}")
-      load0, t0 = common.machine_load(), time.perf_counter()
-      fit = trainer.fit(config, workdir, task)
-      wall = time.perf_counter() - t0
-      t1 = time.perf_counter()
-      val = whole_split_loss(fit.model, val_bytes, config.model.context,
-                             batch=base.experiment.eval_batch)
-      c = curve(workdir)
-      row = {"arm": arm, "seed": seed, "params": n, "val_loss_whole": val,
-             "val_chars": int(len(val_bytes) - 1), "eval_loss_sampled": fit.eval_loss,
-             "final_train_loss": fit.final_loss, "steps_per_s": fit.steps_per_s,
-             "tokens_per_s_in_run": fit.steps_per_s * config.batch_size * config.model.context,
-             "wall_s": wall, "eval_wall_s": time.perf_counter() - t1,
-             "load_start": load0, "load_end": common.machine_load(), "curve": c}
-      results.put(key, row)
-      common.log(f"{key}: whole-split val {val:.4f} nats/char, {row['tokens_per_s_in_run']:,.0f}"
-                 f" tok/s in run, wall {wall:.0f}s")
+      run(arm, best_lr(base, results, arm, seeds[0]), seed)
+
+
+def _train_one(base, results, runs_dir, counts, val_bytes, arm: str, lr: float, seed: int):
+  label = run_label(base, arm, lr)
+  key = common.run_key(label, seed)
+  if results.has(key):
+    common.log(f"{key}: done already, skipped")
+    return
+  config = arm_config(base, arm, seed, lr)
+  workdir = runs_dir / experiment_name(base) / label / f"seed{seed}"
+  task = lm_task.build_task(config)
+  n = common.param_count(task.model)
+  common.log(f"{key}: {n:,} parameters ({n / counts[base.experiment.reference_arm] - 1:+.2%}"
+             f" vs {base.experiment.reference_arm}); workdir {workdir}")
+  load0, t0 = common.machine_load(), time.perf_counter()
+  fit = trainer.fit(config, workdir, task)
+  wall = time.perf_counter() - t0
+  t1 = time.perf_counter()
+  val = whole_split_loss(fit.model, val_bytes, config.model.context,
+                         batch=base.experiment.eval_batch)
+  row = {"arm": arm, "lr": config.optim.lr, "seed": seed, "params": n,
+         "flops_per_token": model_flops_per_token(fit.model), "val_loss_whole": val,
+         "val_chars": int(len(val_bytes) - 1), "eval_loss_sampled": fit.eval_loss,
+         "final_train_loss": fit.final_loss, "steps_per_s": fit.steps_per_s,
+         "tokens_per_s_in_run": fit.steps_per_s * config.batch_size * config.model.context,
+         "wall_s": wall, "eval_wall_s": time.perf_counter() - t1,
+         "load_start": load0, "load_end": common.machine_load(), "curve": curve(workdir),
+         **common.versions()}
+  results.put(key, row)
+  common.log(f"{key}: whole-split val {val:.4f} nats/char, {row['tokens_per_s_in_run']:,.0f}"
+             f" tok/s in run, wall {wall:.0f}s")
+
+
+def model_flops_per_token(model) -> int:
+  """Forward matmul FLOPs per token of the model's weights: 2 per weight used once per token
+  (every parameter of ndim >= 2 but the embedding table, which is a lookup). Attention's
+  score and value products (2 * 2 L d per token at context L) are not included: they are the
+  same in every arm of one mixer."""
+  weights = [p for path, p in nnx.to_flat_state(nnx.state(model, nnx.Param))
+             if p.ndim >= 2 and path[-1] != "embed"]
+  return int(2 * sum(p.size for p in weights))
 
 
 # ----------------------------------------------------------------------------- timing
@@ -335,6 +383,11 @@ def plot(results: common.Results, base, path) -> None:
 
 # ----------------------------------------------------------------------------- main
 
+def experiment_name(base) -> str:
+  """The results file's and the workdirs' name (config.experiment.name; default NAME)."""
+  return base.experiment.get("name", None) or NAME
+
+
 def main(argv):
   del argv
   F = flags.FLAGS
@@ -342,7 +395,7 @@ def main(argv):
   base = F.config
   arms = common.selected(base.experiment.order, F.only)
   seeds = common.seeds_from(F.seeds, base)
-  results = common.Results(NAME, directory=F.results_dir)
+  results = common.Results(experiment_name(base), directory=F.results_dir)
   common.record_command(results)
   stages = F.stages.split(",")
   if "train" in stages:
@@ -352,7 +405,7 @@ def main(argv):
   if "profile" in stages:
     profile_stage(base, arms, results)
   if "plot" in stages:
-    plot(results, base, pathlib.Path(F.results_dir) / f"{NAME}.png")
+    plot(results, base, pathlib.Path(F.results_dir) / f"{experiment_name(base)}.png")
   results.save()
 
 

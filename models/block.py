@@ -9,23 +9,36 @@ token-wise FFN whose heads the tensor axis does not divide on a sequence split i
 
 from __future__ import annotations
 
+import math
+
+import jax
 from flax import nnx
 
-from models.flash_ffn import FlashFFN, SwiGLU
+from models.flash_ffn import FlashFFN, SwiGLU, flashffn_shape
 from models.norm import RMSNorm
 from models.partitioning import constrain, shard_layer
 
 FFNS = ("swiglu", "flashffn")
 
 
-def make_ffn(kind: str, d_model: int, num_heads: int, *, impl: str, interpret, dtype,
+def param_count(layer: nnx.Module) -> int:
+  """The number of parameters of `layer` (also of an abstract one from nnx.eval_shape)."""
+  return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(layer, nnx.Param)))
+
+
+def make_ffn(kind: str, d_model: int, *, params: int | None = None, impl: str, interpret, dtype,
              options: dict, rngs: nnx.Rngs) -> nnx.Module:
-  """The FFN `kind` (one of FFNS): SwiGLU(d_model, **options) or FlashFFN(d_model, **options)
-  (FlashFFN defaults: num_heads, impl, interpret)."""
+  """The FFN `kind` (one of FFNS) of about `params` parameters (None: a SwiGLU of its default
+  width's), unless `options` set its sizes: SwiGLU(d_model, **options) or
+  FlashFFN(d_model, **options) (FlashFFN defaults: impl, interpret)."""
+  d_ff = None if params is None else max(8, 8 * round(params / (3 * d_model) / 8))
   if kind == "swiglu":
-    return SwiGLU(d_model, dtype=dtype, rngs=rngs, **options)
-  return FlashFFN(d_model, **{"num_heads": num_heads, "impl": impl, "interpret": interpret,
-                              **options}, dtype=dtype, rngs=rngs)
+    return SwiGLU(d_model, **{"d_ff": d_ff, **options}, dtype=dtype, rngs=rngs)
+  if params is not None and not {"num_experts", "d_expert"} & set(options):
+    options = {**flashffn_shape(d_model, params, head_norm=options.get("head_norm", True)),
+               **options}
+  return FlashFFN(d_model, **{"impl": impl, "interpret": interpret, **options}, dtype=dtype,
+                  rngs=rngs)
 
 
 def _uses_kernel(layer: nnx.Module) -> bool:

@@ -11,13 +11,34 @@ from jaxops import checks
 from jaxops import flash_ffn as ffn_ops
 from jaxops.rms_norm import rms_normalize_groups
 from models.impl import Impl, resolve_impl
-from models.partitioning import param
+from models.partitioning import param, scale
 from pallas_kernels import flash_ffn as ffn_kernel
+
+
+# The paper's head width (FlashMHF configs: d_h = 128 at every size).
+DEFAULT_HEAD_DIM = 128
+# The paper's sub-network width; a layer whose per-head budget E d_e is smaller splits it in two.
+PAPER_D_EXPERT = 256
+INITS = ("scaled", "paper")
 
 
 def default_d_expert(d_head: int) -> int:
   """The paper's alternative sub-network width: round_up(8/3 * d_h, 128)."""
   return 128 * math.ceil(8 * d_head / 3 / 128)
+
+
+def swiglu_width(d_model: int) -> int:
+  """SwiGLU's default hidden width: 8/3 d rounded up to a multiple of 8 (LLaMA's rule; it keeps
+  a SwiGLU at the parameter count of a 4 d GELU MLP)."""
+  return 8 * math.ceil(8 * d_model / 3 / 8)
+
+
+def default_head_dim(d_model: int) -> int:
+  """The largest multiple of 8 that divides d_model and is at most DEFAULT_HEAD_DIM."""
+  width = min(DEFAULT_HEAD_DIM, d_model) // 8 * 8
+  while width > 8 and d_model % width:
+    width -= 8
+  return max(width, 8)
 
 
 def flashffn_param_count(d_model: int, num_experts: int, d_expert: int) -> int:
@@ -32,6 +53,23 @@ def flashffn_matching_swiglu(d_model: int, d_ff: int, *, d_expert: int = 256) ->
   """
   target = 3 * d_model * d_ff
   experts = max(1, round((target - 2 * d_model**2) / (3 * d_model * d_expert + d_model)))
+  return {"num_experts": experts, "d_expert": d_expert}
+
+
+def flashffn_shape(d_model: int, params: int, *, head_norm: bool = True) -> dict:
+  """E and d_e of a FlashFFN with about `params` parameters (the rule behind its defaults).
+
+  The per-head width E d_e takes what W_in, W_out (2 d^2), the router (d E) and the norm gains
+  (d) leave: E = max(2, round(E d_e / PAPER_D_EXPERT)) (at least two sub-networks, so the
+  router mixes; the paper's d_e = 256 where the budget allows), d_e the multiple of 8 nearest
+  the rest. Returns {"num_experts": E, "d_expert": d_e}.
+  """
+  rest = params - 2 * d_model**2 - (d_model if head_norm else 0)
+  if rest < 16 * (3 * d_model + 1):
+    raise ValueError(f"FlashFFN: a budget of {params:,} parameters leaves no room for two "
+                     f"sub-networks of width 8 beside W_in and W_out (2 d^2 = {2 * d_model**2:,})")
+  experts = max(2, round(rest / (3 * d_model + 1) / PAPER_D_EXPERT))
+  d_expert = max(8, 8 * round((rest / experts - d_model) / (3 * d_model) / 8))
   return {"num_experts": experts, "d_expert": d_expert}
 
 
@@ -67,6 +105,10 @@ def _xavier(gain: float):
   return jax.nn.initializers.variance_scaling(gain**2, "fan_avg", "uniform")
 
 
+def _normal(variance: float):
+  return jax.nn.initializers.normal(math.sqrt(variance))
+
+
 class FlashFFN(nnx.Module):
   """Multi-head FFN with a dense mixture of E sub-networks per head (DESIGN.md section 2).
 
@@ -75,9 +117,28 @@ class FlashFFN(nnx.Module):
   -> concat heads -> W_out -> y [B, L, d]. Params: 2 d^2 + 3 d d_ff + d E (+ d norm gains),
   d_ff = E d_e.
 
+  Defaults (each a rule, so `FlashFFN(d)` is a drop-in for `SwiGLU(d)`):
+    num_heads: d / `default_head_dim(d)` (head width 128, the paper's, or the largest multiple
+      of 8 dividing d below it); it does not follow the attention's head count.
+    num_experts, d_expert: `flashffn_shape(d, 3 d d_ff)`: the parameter count of a SwiGLU of
+      width d_ff (default `swiglu_width(d)` = 8/3 d), E >= 2.
+    init="scaled": every matmul keeps unit-variance inputs at unit variance, as SwiGLU's
+      LeCun-normal init does: W_in, W_out ~ N(0, 1/d); K, U ~ N(0, 1/d_h) (fan-in d_h);
+      V ~ N(0, E/d_e): fan-in d_e, times E because at init the router weights are ~1/E and
+      average E independent sub-network outputs, which divides their variance by E. Output
+      and input-gradient RMS at init then match a SwiGLU's of the same d and parameter count
+      within 2x for d_h 32-128 and E 1-11 (tests/test_flash_ffn.py, benchmarks/init_scale.py).
+      init="paper" is FlashMHF's: W_in, W_out Xavier-uniform gain 0.707, K, U, V ~ N(0, 0.02),
+      chosen at d_h = 128 and blind to the widths (its output starts 200-800x smaller than a
+      SwiGLU's at d = 128). The router is truncated-normal(0.02) and the norm gain 1 in both.
+    The norm gain is a scale (never weight-decayed, see `train.optim`).
+
   Args:
-    d_model, num_heads, num_experts, d_expert: d, H, E, d_e; d_h = d / H and d_e must be
-      multiples of 8.
+    d_model: d. num_heads, num_experts, d_expert: H, E, d_e (None: the defaults above);
+      d_h = d / H and d_e must be multiples of 8.
+    d_ff: the SwiGLU width whose parameter count the default E, d_e match.
+    head_norm: the per-head RMSNorm of q (the paper's default: on).
+    init: "scaled" (default) or "paper".
     impl: "auto" (default), "pallas" (fused kernel), "xla" (chunked XLA path) or
       "reference"; see `models.impl`.
     chunk: tokens per chunk of the "xla" path.
@@ -85,11 +146,19 @@ class FlashFFN(nnx.Module):
     dtype: compute dtype (params are cast to it); None uses the input's dtype.
   """
 
-  def __init__(self, d_model: int, num_heads: int, num_experts: int, d_expert: int, *,
-               head_norm: bool = True, impl: Impl = "auto", chunk: int = 512,
-               interpret=None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    checks.ints("FlashFFN", dict(d_model=d_model, num_heads=num_heads, num_experts=num_experts,
-                                 d_expert=d_expert, chunk=chunk))
+  def __init__(self, d_model: int, num_heads: int | None = None, num_experts: int | None = None,
+               d_expert: int | None = None, *, d_ff: int | None = None, head_norm: bool = True,
+               init: str = "scaled", impl: Impl = "auto", chunk: int = 512, interpret=None,
+               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    checks.ints("FlashFFN", dict(d_model=d_model, chunk=chunk,
+                                 **checks.given(num_heads=num_heads, num_experts=num_experts,
+                                                d_expert=d_expert, d_ff=d_ff)))
+    checks.one_of("FlashFFN", "init", init, INITS)
+    num_heads = num_heads or d_model // default_head_dim(d_model)
+    if num_experts is None or d_expert is None:
+      shape = flashffn_shape(d_model, 3 * d_model * (d_ff or swiglu_width(d_model)),
+                             head_norm=head_norm)
+      num_experts, d_expert = num_experts or shape["num_experts"], d_expert or shape["d_expert"]
     checks.multiple("FlashFFN", "`d_model`", d_model, num_heads, "`num_heads`")
     d_h = d_model // num_heads
     checks.multiple("FlashFFN", "the head width d_model / num_heads", d_h, 8)
@@ -97,22 +166,25 @@ class FlashFFN(nnx.Module):
     self.num_heads, self.impl, self.chunk, self.dtype = (
         num_heads, resolve_impl("FlashFFN", impl), chunk, dtype)
     self.interpret = interpret
-    table = jax.nn.initializers.normal(0.02)
+    if init == "scaled":
+      w_init = jax.nn.initializers.lecun_normal()
+      gate_up, down = _normal(1 / d_h), _normal(num_experts / d_expert)
+    else:
+      w_init = _xavier(0.707)
+      gate_up = down = jax.nn.initializers.normal(0.02)
     # logical axes (models.partitioning): the H d_h columns of W_in / rows of W_out and the
     # leading H of the per-head tables are heads (split over "tensor"), the rest over "fsdp"
-    self.w_in = param(_xavier(0.707)(rngs.params(), (d_model, d_model), param_dtype),
-                      "embed", "heads")
-    self.norm_gain = (param(jnp.ones((num_heads, d_h), param_dtype), "heads", "head_dim")
+    self.w_in = param(w_init(rngs.params(), (d_model, d_model), param_dtype), "embed", "heads")
+    self.norm_gain = (scale(jnp.ones((num_heads, d_h), param_dtype), "heads", "head_dim")
                       if head_norm else None)
     self.router = param(jax.nn.initializers.truncated_normal(0.02)(
         rngs.params(), (num_heads, d_h, num_experts), param_dtype), "heads", "head_dim", None)
     shape = (num_heads, num_experts, d_expert, d_h)
     table_axes = ("heads", None, "expert_mlp", None)
-    self.k = param(table(rngs.params(), shape, param_dtype), *table_axes)
-    self.u = param(table(rngs.params(), shape, param_dtype), *table_axes)
-    self.v = param(table(rngs.params(), shape, param_dtype), *table_axes)
-    self.w_out = param(_xavier(0.707)(rngs.params(), (d_model, d_model), param_dtype),
-                       "heads", "embed")
+    self.k = param(gate_up(rngs.params(), shape, param_dtype), *table_axes)
+    self.u = param(gate_up(rngs.params(), shape, param_dtype), *table_axes)
+    self.v = param(down(rngs.params(), shape, param_dtype), *table_axes)
+    self.w_out = param(w_init(rngs.params(), (d_model, d_model), param_dtype), "heads", "embed")
 
   def _folded(self, dtype):
     """(router, k, u, v) with the head-norm gain g folded in.
@@ -148,11 +220,13 @@ class FlashFFN(nnx.Module):
 class SwiGLU(nnx.Module):
   """The baseline FFN: (silu(x W_gate) * (x W_up)) W_down, 3 d d_ff params.
 
-  x [..., d] -> [..., d]; dtype: compute dtype (None: the input's).
+  x [..., d] -> [..., d]; d_ff: hidden width (None: `swiglu_width(d)` = 8/3 d rounded up to a
+  multiple of 8); LeCun-normal init; dtype: compute dtype (None: the input's).
   """
 
-  def __init__(self, d_model: int, d_ff: int, *, dtype=None, param_dtype=jnp.float32,
-               rngs: nnx.Rngs):
+  def __init__(self, d_model: int, d_ff: int | None = None, *, dtype=None,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    d_ff = d_ff or swiglu_width(d_model)
     checks.ints("SwiGLU", dict(d_model=d_model, d_ff=d_ff))
     init = jax.nn.initializers.lecun_normal()
     self.dtype = dtype

@@ -20,6 +20,16 @@ from pallas_kernels import frac_scan as frac_kernel
 _F32 = jnp.float32
 
 
+# Default alpha_h at init: alpha_min + (1 - alpha_min) sigmoid(logit_h) with the heads'
+# sigmoids evenly spaced over [ALPHA_INIT_SPAN, 1 - ALPHA_INIT_SPAN], where sigmoid' >= 0.127:
+# no head starts on the flat tail of the sigmoid, where its alpha could not move.
+ALPHA_INIT_SPAN = 0.15
+# The floor of alpha: 0.05 puts the default heads at alpha 0.19-0.86, the design's
+# [0.2, 0.9] spread, as closely as a start with every head trainable allows (with the floor at
+# 0.2 the lowest head of that spread sat on the floor, d alpha / d logit ~ 8e-4).
+ALPHA_MIN = 0.05
+
+
 def _inverse_softplus(y):
   return y + jnp.log(-jnp.expm1(-y))
 
@@ -40,8 +50,10 @@ class FRACMixer(nnx.Module):
   out = out_proj(rmsnorm(y * silu(z)) * gain)
 
   alpha_h = alpha_min + (1 - alpha_min) sigmoid(alpha_logit_h) is learnable; at init the
-  heads spread over [max(0.2, alpha_min), 0.9] (or `alpha_init`). The modes' rates cover
-  warped times up to 4 * `context`.
+  heads' sigmoids are evenly spaced over [0.15, 0.85] (sigmoid' >= 0.127: every head can
+  move), i.e. alpha 0.19-0.86 with the default alpha_min = 0.05 (`ALPHA_MIN`, chosen so that
+  this spread is the design's [0.2, 0.9]); or `alpha_init`, clipped to sigmoids in
+  [1e-3, 1 - 1e-3]. The modes' rates cover warped times up to 4 * `context`.
 
   `mamba2=True` is the in-house baseline: one mode of weight 1 and rate
   A_h = exp(log_timescale_h), i.e. Mamba-2's exponential decay exp(-A_h dt_t); its A_h
@@ -51,7 +63,9 @@ class FRACMixer(nnx.Module):
   and the M * N * P numbers per head of the state, whatever the context length.
 
   Args:
-    d_model, num_heads, head_dim, state_dim: d, H, P, N (d_in = H P).
+    d_model, num_heads, head_dim, state_dim: d, H, P, N (d_in = H P). P defaults to
+      d / H (d_in = d, so the layer holds about attention's parameters); N to 16, Mamba's
+      default (FRAC keeps M N P numbers per head, M times Mamba-2's state at equal N).
     num_modes: M >= 3 (None: from `context`; the Mamba-2 baseline has 1).
     context: the training length; the modes' rates cover warped times up to 4 * context.
     impl: "auto" (default), "pallas" (kernel), "xla" (chunked XLA path) or "reference"
@@ -62,13 +76,15 @@ class FRACMixer(nnx.Module):
     dtype: compute dtype of projections and scan inputs; None uses the input's dtype.
   """
 
-  def __init__(self, d_model: int, *, num_heads: int, head_dim: int, state_dim: int,
-               num_modes: int | None = None, context: int = 2048, alpha_min: float = 0.2,
+  def __init__(self, d_model: int, *, num_heads: int, head_dim: int | None = None,
+               state_dim: int = 16,
+               num_modes: int | None = None, context: int = 2048, alpha_min: float = ALPHA_MIN,
                alpha_init=None, conv_width: int = 4, impl: Impl = "auto", interpret=None,
                mamba2: bool = False, learn_timescale: bool = True, chunk: int | None = None,
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    checks.ints("FRACMixer", dict(d_model=d_model, num_heads=num_heads, head_dim=head_dim,
-                                  state_dim=state_dim, context=context, conv_width=conv_width,
+    checks.ints("FRACMixer", dict(d_model=d_model, num_heads=num_heads))
+    head_dim = head_dim or max(1, d_model // num_heads)
+    checks.ints("FRACMixer", dict(head_dim=head_dim, state_dim=state_dim, context=context, conv_width=conv_width,
                                   **checks.given(chunk=chunk)))
     if not mamba2 and num_modes is not None:
       checks.ints("FRACMixer", {"num_modes": num_modes}, minimum=3)
@@ -109,15 +125,16 @@ class FRACMixer(nnx.Module):
       self.log_timescale = param(log_a.astype(param_dtype), "heads")
       self.alpha_logit = None
     else:
-      lo = max(0.2, alpha_min)
       # numpy: alpha_init is a config value, and the check must also run under jit /
       # nnx.eval_shape, where a jnp comparison would be a tracer.
-      alpha = (np.linspace(lo, max(lo, 0.9), num_heads) if alpha_init is None
-               else np.broadcast_to(np.asarray(alpha_init, np.float32), (num_heads,)))
-      if alpha_init is not None and not np.all((alpha >= alpha_min) & (alpha <= 1.0)):
-        raise ValueError(f"FRACMixer: `alpha_init` must lie in [alpha_min={alpha_min}, 1],"
-                         f" got {alpha}")
-      frac = jnp.clip((alpha - alpha_min) / (1 - alpha_min), 1e-3, 1 - 1e-3)
+      if alpha_init is None:
+        frac = np.linspace(ALPHA_INIT_SPAN, 1 - ALPHA_INIT_SPAN, num_heads)
+      else:
+        alpha = np.broadcast_to(np.asarray(alpha_init, np.float32), (num_heads,))
+        if not np.all((alpha >= alpha_min) & (alpha <= 1.0)):
+          raise ValueError(f"FRACMixer: `alpha_init` must lie in [alpha_min={alpha_min}, 1],"
+                           f" got {alpha}")
+        frac = np.clip((alpha - alpha_min) / (1 - alpha_min), 1e-3, 1 - 1e-3)
       self.alpha_logit = param(_logit(frac).astype(param_dtype), "heads")
       self.log_timescale = param(jnp.zeros((num_heads,), param_dtype), "heads")
     self.skip = param(jnp.ones((num_heads,), param_dtype), "heads")

@@ -19,7 +19,8 @@ from flax import nnx
 
 from jaxops import checks
 from models.attention import CausalAttention
-from models.block import FFNS, Block, make_ffn
+from models.block import FFNS, Block, make_ffn, param_count
+from models.flash_ffn import swiglu_width
 from models.impl import Impl, resolve_impl
 from models.norm import RMSNorm
 from models.partitioning import constrain, param
@@ -40,13 +41,24 @@ def make_mixer(kind: str, d_model: int, num_heads: int, *, context: int, impl: s
 class LanguageModel(nnx.Module):
   """Decoder LM over `vocab_size` tokens (256: bytes).
 
+  Every size below the four required ones has a default, so `LanguageModel(d_model=,
+  num_layers=, num_heads=, context=)` builds with any mixer and FFN, and every such model has
+  the parameter count of the attention + SwiGLU one within 2% (tests/test_lm.py):
+    - attention: heads of width d / num_heads.
+    - frac, mamba2: num_heads heads of width P = d / num_heads (d_in = d), N = 16
+      (see `models.frac.FRACMixer`).
+    - FFN: the parameters that a 4 d^2 attention + SwiGLU(d, 8/3 d) block holds, less the
+      mixer's: SwiGLU d_ff = that / 3d (a multiple of 8); FlashFFN `flashffn_shape` of it,
+      heads of width 128 (`models.flash_ffn.default_head_dim`), not the mixer's.
+  Options that set a size override the rule (then no matching is promised).
+
   Args:
-    d_model, num_layers, num_heads: width d, depth N, heads of the mixer (and FlashFFN default).
+    d_model, num_layers, num_heads: width d, depth N, heads of the mixer.
     context: training length; the attention KV cache and FRAC's memory rates are sized from it.
     mixer, ffn: one of MIXERS, one of FFNS.
     mixer_options, ffn_options: extra constructor arguments, e.g. {"head_dim": 32,
-      "state_dim": 16} for FRAC, {"d_ff": 512} for SwiGLU, {"num_experts": 4, "d_expert": 64}
-      for FlashFFN.
+      "state_dim": 16} for FRAC, {"d_ff": 512} for SwiGLU, {"num_heads": 2, "num_experts": 4,
+      "d_expert": 64} for FlashFFN.
     impl: kernel choice for FlashFFN / FRAC ("auto", "pallas", "xla", "reference"; see
       `models.impl`); interpret: passed to their kernels.
     dtype: compute dtype (None: float32); parameters stay float32.
@@ -67,14 +79,18 @@ class LanguageModel(nnx.Module):
                                       vocab_size=vocab_size))
     self.mixer_kind, self.context, self.dtype = mixer, context, dtype
     self.embed = param(jax.random.normal(rngs.params(), (vocab_size, d_model)), "vocab", "embed")
-    self.blocks = nnx.List([
-        Block(make_mixer(mixer, d_model, num_heads, context=context, impl=impl,
-                         interpret=interpret, dtype=dtype, options=dict(mixer_options or {}),
-                         rngs=rngs),
-              make_ffn(ffn, d_model, num_heads, impl=impl, interpret=interpret, dtype=dtype,
-                       options=dict(ffn_options or {}), rngs=rngs),
-              d_model)
-        for _ in range(num_layers)])
+    block_params = 4 * d_model**2 + 3 * d_model * swiglu_width(d_model)
+
+    def block():
+      mixer_layer = make_mixer(mixer, d_model, num_heads, context=context, impl=impl,
+                               interpret=interpret, dtype=dtype,
+                               options=dict(mixer_options or {}), rngs=rngs)
+      ffn_layer = make_ffn(ffn, d_model, params=block_params - param_count(mixer_layer),
+                           impl=impl, interpret=interpret, dtype=dtype,
+                           options=dict(ffn_options or {}), rngs=rngs)
+      return Block(mixer_layer, ffn_layer, d_model)
+
+    self.blocks = nnx.List([block() for _ in range(num_layers)])
     self.norm = RMSNorm(d_model)
     self.head = param(jax.random.normal(rngs.params(), (d_model, vocab_size)) * d_model ** -0.5,
                       "embed", "vocab")

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxops import checks
-from models.partitioning import param
+from models.partitioning import scale
 
 
 class RMSNorm(nnx.Module):
@@ -18,7 +18,7 @@ class RMSNorm(nnx.Module):
     if not eps > 0:
       raise ValueError(f"RMSNorm: `eps` must be > 0, got {eps!r}")
     self.eps = eps
-    self.scale = param(jnp.ones((dim,), param_dtype), "channels")
+    self.scale = scale(jnp.ones((dim,), param_dtype), "channels")
 
   def __call__(self, x):
     """x [..., dim] -> same shape and dtype."""

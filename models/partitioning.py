@@ -82,6 +82,15 @@ def param(value: jax.Array, *names: str | None) -> nnx.Param:
   return nnx.Param(value, **axes_metadata(*names))
 
 
+def scale(value: jax.Array, *names: str | None) -> nnx.Param:
+  """A scale parameter (a norm gain, or any multiplier that starts at 1): `param`, marked so
+  that the optimizer never weight-decays it whatever its rank (`train.optim.decay_mask`);
+  decay would pull it towards 0, not towards the identity it starts at."""
+  variable = param(value, *names)
+  variable.set_metadata("weight_decay", False)
+  return variable
+
+
 def axes_metadata(*names: str | None) -> dict:
   """The metadata `param` sets, for flax layers that take it (`kernel_metadata=`,
   `bias_metadata=` of nnx.Conv, nnx.Linear, ...)."""

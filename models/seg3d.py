@@ -58,7 +58,7 @@ class Pack3DSegmenter(nnx.Module):
     self.blocks = nnx.List([
         Block(Pack3DAttention(d_model, num_heads, impl=impl, interpret=interpret, dtype=dtype,
                               rngs=rngs, **(attention_options or {})),
-              make_ffn(ffn, d_model, num_heads, impl=impl, interpret=interpret, dtype=dtype,
+              make_ffn(ffn, d_model, impl=impl, interpret=interpret, dtype=dtype,
                        options=dict(ffn_options or {}), rngs=rngs),
               d_model)
         for _ in range(depth)])

@@ -199,6 +199,42 @@ def test_matching_swiglu_shape():
   assert gap(experts) <= min(gap(experts - 1), gap(experts + 1))
 
 
+def _rms_and_input_grad_rms(layer, d_model):
+  """Output RMS and input-gradient RMS (unit-RMS cotangent) on unit-RMS input."""
+  x = jax.random.normal(jax.random.key(10), (2, 64, d_model))
+  y, vjp = jax.vjp(layer, x)
+  dx = vjp(jax.random.normal(jax.random.key(11), y.shape))[0]
+  rms = lambda a: float(jnp.sqrt(jnp.mean(jnp.square(a))))
+  return rms(y), rms(dx)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("experts", [1, 2, 11])
+def test_default_init_starts_at_swiglu_scale(head_dim, experts):
+  """Output and dx RMS at init within 2x of a SwiGLU of the same d and parameter count; the
+  paper's N(0, 0.02) init is far below it (why it is not the default)."""
+  d, d_e = 256, 64
+  flash = FlashFFN(d, d // head_dim, experts, d_e, impl="xla", rngs=nnx.Rngs(0))
+  swiglu = SwiGLU(d, round(flashffn_param_count(d, experts, d_e) / (3 * d)), rngs=nnx.Rngs(1))
+  ref = _rms_and_input_grad_rms(swiglu, d)
+  got = _rms_and_input_grad_rms(flash, d)
+  for g, r, what in zip(got, ref, ("output", "dx")):
+    assert 0.5 < g / r < 2, (what, g, r)
+  paper = FlashFFN(d, d // head_dim, experts, d_e, init="paper", impl="xla", rngs=nnx.Rngs(0))
+  assert _rms_and_input_grad_rms(paper, d)[0] < 0.05 * ref[0]
+
+
+def test_default_shape_matches_the_swiglu_default():
+  """FlashFFN(d) has heads of width 128 (not the mixer's), E >= 2, and SwiGLU(d)'s parameter
+  count within 2%."""
+  count = lambda m: sum(p.size for p in jax.tree.leaves(nnx.state(m, nnx.Param)))
+  for d in (128, 256, 384, 1024):
+    flash, swiglu = FlashFFN(d, rngs=nnx.Rngs(0)), SwiGLU(d, rngs=nnx.Rngs(0))
+    assert d // flash.num_heads == 128 and flash.k.shape[1] >= 2
+    assert abs(count(flash) / count(swiglu) - 1) < 0.02, (d, count(flash), count(swiglu))
+  assert FlashFFN(96, rngs=nnx.Rngs(0)).num_heads == 1       # head width 96: all of d
+
+
 def test_layer_rejects_bad_config():
   with pytest.raises(ValueError, match="impl"):
     FlashFFN(D_MODEL, HEADS, EXPERTS, D_EXPERT, impl="cuda", rngs=nnx.Rngs(0))

@@ -207,11 +207,11 @@ def test_flashffn_formula_with_defaults():
   close(run(layer, x.astype(np.float32)), flashffn_numpy(layer, x, heads=2))
 
 
-def test_flashffn_init():
-  """W_in, W_out Xavier-uniform gain 0.707; K, U, V normal(0, 0.02); router truncated
-  normal(0, 0.02) (cut at 2 sigma); norm gain ones (DESIGN.md section 2)."""
+def test_flashffn_paper_init():
+  """init="paper": W_in, W_out Xavier-uniform gain 0.707; K, U, V normal(0, 0.02); router
+  truncated normal(0, 0.02) (cut at 2 sigma); norm gain ones (DESIGN.md section 2)."""
   d, heads, experts, d_e = 128, 2, 4, 64
-  layer = build(FlashFFN, d, heads, experts, d_e)
+  layer = build(FlashFFN, d, heads, experts, d_e, init="paper")
   bound = 0.707 * math.sqrt(6 / (d + d))
   for name in ("w_in", "w_out"):
     stats_match(getattr(layer, name)[...], std=bound / math.sqrt(3), bound=bound, name=name)
@@ -222,6 +222,20 @@ def test_flashffn_init():
   # jax's truncated_normal(0.02) has std 0.02 and support +-2 * 0.02 / 0.8796
   stats_match(router, std=0.02, bound=2 * 0.02 / 0.87962566103423978, name="router")
   np.testing.assert_array_equal(layer.norm_gain[...], np.ones((heads, d // heads)))
+
+
+def test_flashffn_scaled_init():
+  """The default init (models/flash_ffn.py): W_in, W_out LeCun normal N(0, 1/d) (truncated at
+  2 sigma, std exactly 1/sqrt(d)); K, U ~ N(0, 1/d_h); V ~ N(0, E/d_e); router as the paper's."""
+  d, heads, experts, d_e = 128, 2, 4, 64
+  layer = build(FlashFFN, d, heads, experts, d_e)
+  for name in ("w_in", "w_out"):
+    stats_match(getattr(layer, name)[...], std=d ** -0.5,
+                bound=2 * d ** -0.5 / 0.87962566103423978, name=name)
+  for name in ("k", "u"):
+    stats_match(getattr(layer, name)[...], std=(d // heads) ** -0.5, name=name)
+  stats_match(layer.v[...], std=math.sqrt(experts / d_e), name="v")
+  stats_match(layer.router[...], std=0.02, bound=2 * 0.02 / 0.87962566103423978, name="router")
 
 
 # ----------------------------------------------------------------------------- attention
@@ -298,8 +312,8 @@ def soe_modes_numpy(alpha, context):
   return rates, weights
 
 
-def frac_mixer_numpy(layer, x, num_heads, head_dim, state_dim, context, alpha_min=0.2):
-  """FRACMixer's docstring, defaults (conv width 4, alpha_min 0.2), Mamba-2 style layout:
+def frac_mixer_numpy(layer, x, num_heads, head_dim, state_dim, context, alpha_min=0.05):
+  """FRACMixer's docstring, defaults (conv width 4, alpha_min 0.05), Mamba-2 style layout:
   in_proj [d, 2, d_in] gives z and x, bc_proj [d, 2N] B and C, dt_proj [d, H] dt; the causal
   conv runs over x (conv_weight) and B, C (bc_conv_weight)."""
   bsz, length, _ = x.shape
@@ -346,7 +360,8 @@ def test_frac_mixer_formula_with_defaults():
 
 
 def test_frac_mixer_init():
-  """DESIGN.md section 4: dt ~ 1, alpha spread over [0.2, 0.9] across heads, D = 1; the
+  """DESIGN.md section 4: dt ~ 1, alpha spread over [0.2, 0.9] across heads (as closely as a
+  start with sigmoid'(alpha logit) >= 0.1 for every head allows: 0.19-0.86), D = 1; the
   modes' rates span [0.03 / context, 4] (warped times up to 4 context), unscaled (c_h = 1);
   gated-norm gain ones, conv bias zeros, projections lecun-normal."""
   d, heads, head_dim, state_dim, context = 64, 8, 16, 8, 512
@@ -355,7 +370,10 @@ def test_frac_mixer_init():
   dt = softplus(P(layer.dt_bias))
   assert np.all((dt >= 0.5 - 1e-6) & (dt <= 2.0 + 1e-6)), dt
   assert abs(np.mean(np.log(dt))) < 0.3 and np.ptp(np.log(dt)) > 0.3, dt  # around 1, spread
-  np.testing.assert_allclose(layer.alpha(), np.linspace(0.2, 0.9, heads), atol=1e-3)
+  np.testing.assert_allclose(layer.alpha(), 0.05 + 0.95 * np.linspace(0.15, 0.85, heads),
+                             atol=1e-5)
+  s = 1 / (1 + np.exp(-P(layer.alpha_logit)))
+  assert np.all(s * (1 - s) >= 0.1), s * (1 - s)   # no head starts frozen
   np.testing.assert_array_equal(layer.skip[...], np.ones(heads))
   np.testing.assert_array_equal(layer.log_timescale[...], np.zeros(heads))
   np.testing.assert_array_equal(layer.norm_gain[...], np.ones(heads * head_dim))

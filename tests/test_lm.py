@@ -61,6 +61,21 @@ def test_bf16_compute_keeps_f32_params_and_is_close():
   np.testing.assert_allclose(bf16(tokens), f32(tokens), atol=0.15)
 
 
+@pytest.mark.parametrize("mixer", ["attention", "frac", "mamba2"])
+@pytest.mark.parametrize("ffn", ["swiglu", "flashffn"])
+def test_builds_without_options_at_the_default_parameter_count(mixer, ffn):
+  """The four required sizes suffice for every mixer and FFN, and the sizes the rules derive
+  give attention + SwiGLU's parameter count within 2% (models/lm.py's docstring)."""
+  count = lambda m: sum(p.size for p in jax.tree.leaves(nnx.state(m, nnx.Param)))
+  build = lambda mixer, ffn: nnx.eval_shape(lambda: LanguageModel(
+      d_model=128, num_layers=2, num_heads=4, context=64, mixer=mixer, ffn=ffn,
+      rngs=nnx.Rngs(0)))
+  model, reference = build(mixer, ffn), build("attention", "swiglu")
+  assert abs(count(model) / count(reference) - 1) < 0.02, (count(model), count(reference))
+  if ffn == "flashffn":                          # head width 128, not the mixer's 32
+    assert model.blocks[0].ffn.num_heads == 1
+
+
 @pytest.mark.parametrize("kwargs, field", [({"mixer": "lstm"}, "mixer"), ({"ffn": "moe"}, "ffn"),
                                            ({"impl": "cuda"}, "impl"),
                                            ({"num_layers": 0}, "num_layers")])

@@ -136,6 +136,26 @@ def test_huge_gradient_updates_like_its_clipped_version():
   assert not np.allclose(unclipped[2]["gain"], a[2]["gain"], rtol=1e-3)
 
 
+def test_scales_are_never_decayed_whatever_their_rank():
+  """With zero gradients AdamW's update is the decay alone: it must be 0 for every norm gain
+  (the LM's RMSNorm scales [d] and FlashFFN's per-head gain [H, d_h]) and for vectors, and
+  -lr * wd * w for weight matrices (the FlashFFN tables, W_in, the embedding)."""
+  from models.lm import LanguageModel  # noqa: PLC0415
+  model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=8, ffn="flashffn",
+                        ffn_options={"num_heads": 2}, rngs=nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  c = optim_config(warmup_steps=0)
+  tx = optim.make_optimizer(c, 10)
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  flat = dict(nnx.to_flat_state(updates))
+  gains = [k for k in flat if k[-1] in ("norm_gain", "scale")]
+  assert any(k[-1] == "norm_gain" and flat[k].ndim == 2 for k in gains)
+  for path, u in flat.items():
+    value = dict(nnx.to_flat_state(params))[path][...]
+    decayed = -c.lr * c.weight_decay * value if value.ndim >= 2 and path not in gains else 0 * value
+    np.testing.assert_allclose(u[...], decayed, rtol=1e-6, atol=1e-12, err_msg=str(path))
+
+
 # ----------------------------------------------------------------------------- the trainer
 
 class Affine(nnx.Module):

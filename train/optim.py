@@ -2,13 +2,15 @@
 
 lr(t) = lr * t / warmup for t < warmup, then cosine from lr down to lr * min_lr_ratio at `steps`
 (a run shorter than the warmup stays in the warmup).
-Weight decay applies to matrices only (ndim >= 2), not to norm gains or biases.
+Weight decay applies to weight matrices only (`decay_mask`): never to norm gains, biases or
+other scale vectors, whatever their rank.
 """
 
 from __future__ import annotations
 
 import jax
 import optax
+from flax import nnx
 
 from train.errors import UsageError
 
@@ -20,9 +22,18 @@ def schedule(optim_config, steps: int) -> optax.Schedule:
       decay_steps=max(steps, c.warmup_steps + 1), end_value=c.lr * c.min_lr_ratio)
 
 
+def decay_mask(params):
+  """True for the parameters AdamW decays: ndim >= 2 and not a scale (`models.partitioning.scale`
+  marks norm gains such as FlashFFN's [H, d_h] one with weight_decay=False). `params` is an
+  nnx.State of Variables (or plain arrays, judged by rank alone); returns a tree of bools that
+  is a prefix of it."""
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  decays = lambda x: x.ndim >= 2 and (not is_var(x) or x.get_metadata("weight_decay", True))
+  return jax.tree.map(decays, params, is_leaf=is_var)
+
+
 def make_optimizer(optim_config, steps: int) -> optax.GradientTransformation:
   c = optim_config
-  decay_mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
   return optax.chain(
       optax.clip_by_global_norm(c.clip_norm),
       optax.adamw(schedule(c, steps), b1=c.b1, b2=c.b2, weight_decay=c.weight_decay,
