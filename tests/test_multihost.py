@@ -3,11 +3,13 @@
 Two `python -m train.train_lm` processes (2 CPU devices each, a localhost coordinator,
 jax.distributed.initialize, gloo collectives) train the mesh data=2 x fsdp=2, the data axis
 across the processes. Their logged losses must equal a single-process run of the same config on
-4 devices, the checkpoint they write together must resume in one process, and a SIGTERM to one
-of them must stop both after the same step, saved.
+4 devices, only process 0 may print progress, the checkpoint they write together must resume in
+one process, and a SIGTERM to one of them must stop both after the same step, saved. Slow
+(35-110 s and 26-66 s on the shared 2-core CPU, by load): each process starts JAX and compiles.
 
-Slow (35-110 s and 26-66 s on the shared 2-core CPU, by load): each process starts JAX and
-compiles.
+Start-up (fast: no process gets past it): with a process missing, every process that came ends
+within --init_timeout_s with one line naming the missing ones; a SIGTERM while waiting ends
+the process quietly.
 """
 
 import os
@@ -57,16 +59,17 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def start_two_processes(workdir, logdir, *, slow_step_s=0.0, **changes):
-  """Both processes of `python -m train.train_lm` with the same flags but --process_id (through
-  tests.slow_binary, each batch `slow_step_s` slower, if given) -> ([Popen], [log path])."""
+def start_two_processes(workdir, logdir, *, slow_step_s=0.0, devices=2, **changes):
+  """Both processes of `python -m train.train_lm` with the same flags but --process_id, each
+  with `devices` CPU devices (through tests.slow_binary, each batch `slow_step_s` slower, if
+  given) -> ([Popen], [log path])."""
   flags = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **changes}.items()]
   module = ["tests.slow_binary", "train.train_lm"] if slow_step_s else ["train.train_lm"]
   common = [sys.executable, "-m", *module, "--config=configs/lm_smoke.py", *flags,
             f"--workdir={workdir}", f"--coordinator_address=localhost:{free_port()}",
             "--num_processes=2"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "SLOW_STEP_S": str(slow_step_s),
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}   # not the suite's 8
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}   # not the suite's 8
   logs = [logdir / f"process_{i}.log" for i in range(2)]
   procs = []
   for i, log in enumerate(logs):
@@ -96,11 +99,72 @@ def finish(procs, logs, deadline) -> list[str]:
   return [log.read_text() for log in logs]
 
 
+def start_alone(workdir, log, process_id, num_processes, port, timeout_s):
+  """One process of a multi-host command whose other processes may never come -> Popen."""
+  cmd = [sys.executable, "-m", "train.train_lm", "--config=configs/lm_smoke.py",
+         f"--workdir={workdir}", f"--coordinator_address=localhost:{port}",
+         f"--num_processes={num_processes}", f"--process_id={process_id}",
+         f"--init_timeout_s={timeout_s}"]
+  with log.open("w") as f:
+    return subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+
+
+def no_stack_dump(output: str) -> bool:
+  return not any(s in output for s in ("Traceback", "Check failure", "DEADLINE_EXCEEDED", "@ "))
+
+
+def test_missing_processes_are_named_within_the_timeout(tmp_path):
+  """Process 0 of 2 alone, process 1 of 2 alone, and processes 0 and 1 of 3 (2 missing)."""
+  wait_s = 4
+  ports = [free_port() for _ in range(3)]
+  runs = {"0 of 2": (0, 2, ports[0]), "1 of 2": (1, 2, ports[1]),
+          "0 of 3": (0, 3, ports[2]), "1 of 3": (1, 3, ports[2])}
+  started = time.monotonic()
+  procs = {name: start_alone(tmp_path / name, tmp_path / f"{name}.log", *args, timeout_s=wait_s)
+           for name, args in runs.items()}
+  for p in procs.values():
+    p.wait(timeout=wait_s + 120)
+  seconds = time.monotonic() - started
+  expected = {
+      "0 of 2": "process 1 of --num_processes=2 did not reach the coordinator",
+      "1 of 2": "process 0 (the coordinator) is not reachable at localhost:",
+      "0 of 3": "process 2 of --num_processes=3 did not reach the coordinator",
+      "1 of 3": "process 2 of --num_processes=3 did not reach the coordinator"}
+  for name, p in procs.items():
+    output = (tmp_path / f"{name}.log").read_text()
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert p.returncode == 1 and no_stack_dump(output), (name, output)
+    assert len(lines) == 1 and lines[0].startswith("error: "), (name, output)
+    assert expected[name] in lines[0] and f"--init_timeout_s={wait_s} s" in lines[0], lines
+  assert seconds < wait_s + 60             # start-up of 4 processes on 2 loaded cores included
+
+
+def test_sigterm_while_waiting_for_the_others_exits_quietly(tmp_path):
+  port = free_port()
+  p = start_alone(tmp_path / "run", tmp_path / "log", 0, 2, port, timeout_s=120)
+  deadline = time.monotonic() + 60
+  while time.monotonic() < deadline and p.poll() is None:     # until process 0 is waiting
+    try:
+      socket.create_connection(("localhost", port), timeout=1).close()
+      break
+    except OSError:
+      time.sleep(0.2)
+  p.send_signal(signal.SIGTERM)
+  assert p.wait(timeout=30) == 0
+  output = (tmp_path / "log").read_text()
+  assert no_stack_dump(output) and output.strip().startswith("interrupted:"), output
+
+
 @pytest.mark.slow
 def test_two_processes_equal_one_process(tmp_path):
   multi = tmp_path / "multi"
   outputs = finish(*start_two_processes(multi, tmp_path), time.monotonic() + TIMEOUT_S)
   assert all("connected to 1 peer" in out for out in outputs)          # gloo, two processes
+  progress = [[line for line in out.splitlines() if re.match(r"\[[#.]+\] \d+/", line)]
+              for out in outputs]
+  assert len(progress[0]) == STEPS and progress[1] == []                # process 0 only
+  assert "parameters" in outputs[0] and "parameters" not in outputs[1]
 
   single = tmp_path / "single"            # one process, 4 of the suite's 8 devices, 5 steps
   c = config(steps=STEPS + 2)
@@ -121,12 +185,25 @@ def test_two_processes_equal_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_two_single_device_processes_equal_one_process_bit_for_bit(tmp_path):
+  """data=2 over two processes of one device each against one process of two devices: the
+  gradient all-reduce adds the same two numbers (gloo or XLA's), so every loss is identical."""
+  mesh = {"mesh.fsdp": 1}
+  finish(*start_two_processes(tmp_path / "multi", tmp_path, devices=1, **mesh),
+         time.monotonic() + TIMEOUT_S)
+  c = config(**mesh)
+  trainer.fit(c, tmp_path / "single", lm_task.build_task(c))
+  for key in ("loss", "eval_loss"):
+    assert rows(tmp_path / "multi", key) == rows(tmp_path / "single", key)
+
+
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
   """Saving is collective: a process that stopped alone would wait for the others forever."""
   procs, logs = start_two_processes(tmp_path / "run", tmp_path, slow_step_s=0.5, steps=20,
                                     checkpoint_every=100, **{"sample.num_tokens": 0})
   deadline = time.monotonic() + TIMEOUT_S
-  while " 3/20 " not in logs[1].read_text() and time.monotonic() < deadline:
+  while " 3/20 " not in logs[0].read_text() and time.monotonic() < deadline:  # process 0 prints
     if any(p.poll() is not None for p in procs):
       break
     time.sleep(0.2)

@@ -64,6 +64,16 @@ CASES = [
      ["--coordinator_address=localhost", "--num_processes=1", "--process_id=0"],
      ["--coordinator_address=localhost", "HOST:PORT"]),
     ("num_processes_not_an_int", LM, ["--num_processes=two"], ["--num_processes=two", "int"]),
+    ("config_field_as_a_flag", LM, ["--steps=5"],
+     ["unknown flag --steps=5", "a field of configs/lm_smoke.py", "--config.steps=5"]),
+    ("nested_config_field_as_a_flag", LM, ["--model.mixer=frac"], ["--config.model.mixer=frac"]),
+    ("unknown_flag", LM, ["--stepz=5"], ["'stepz'", "--help", "--config.<field>=<value>",
+                                         "--mode=config"]),
+    ("unknown_mode", LM, ["--mode=infer"], ["--mode", "infer", "train"]),
+    ("sample_mode_of_seg3d", SEG, ["--mode=sample"], ["--mode=sample", "train, eval, config"]),
+    ("train_without_config", LM, "no config", ["--config=FILE is required", "train"]),
+    ("eval_of_a_workdir_without_a_run", LM, ["--mode=eval"], ["config.json", "workdir of a training run"]),
+    ("negative_init_timeout", LM, ["--init_timeout_s=-1"], ["--init_timeout_s", "-1"]),
     ("seg3d_unknown_model_kind", SEG, ["--config.model.kind=vit"],
      ["config.model.kind must be one of", "'vit'"]),
     ("seg3d_patch_not_dividing_fields", SEG, ["--config.data.patch=(3, 3, 3)"],
@@ -79,6 +89,8 @@ def argv(binary, flags, workdir):
     return module, ["--config=configs/nope.py", f"--workdir={workdir}"]
   if flags == "no workdir":
     return module, [f"--config={config}"]
+  if flags == "no config":
+    return module, [f"--workdir={workdir}"]
   if isinstance(flags, str):                        # "workdir=PATH"
     return module, [f"--config={config}", f"--{flags}"]
   return module, [f"--config={config}", f"--workdir={workdir}", *flags]

@@ -1,1 +1,20 @@
-"""Training: absl binaries, data, sharding, checkpointing, metrics."""
+"""Training: absl binaries, data, sharding, checkpointing, metrics; and the way back from a
+run's workdir to its model:
+
+  model, config = train.load_model("runs/lm")     # config.json + the newest good checkpoint
+  train.evaluate(model, config)                   # {"eval_loss": ...}, as the trainer logs it
+"""
+
+_EXPORTS = {"load_model": "train.inference", "load_config": "train.inference",
+            "evaluate": "train.inference"}
+
+
+def __getattr__(name):
+  """The exports above, imported on first use (importing `train` itself stays free)."""
+  if name in _EXPORTS:
+    import importlib  # noqa: PLC0415
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+  raise AttributeError(f"module 'train' has no attribute {name!r}")
+
+
+__all__ = list(_EXPORTS)

@@ -39,7 +39,7 @@ def _all_finite(tree) -> jax.Array:
   return jnp.stack(flags).all() if flags else jnp.bool_(True)
 
 
-def _arrays(tree) -> dict[str, tuple]:
+def _arrays(tree, prefix: str = "") -> dict[str, tuple]:
   """{"params/layers/0/w": (shape, dtype)} for every array-like leaf of `tree`."""
   def name(key):    # dict keys, sequence indices and (named-tuple) attributes alike
     for attr in ("key", "idx", "name"):
@@ -48,13 +48,14 @@ def _arrays(tree) -> dict[str, tuple]:
     return str(key)
 
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {"/".join(name(k) for k in path): (tuple(x.shape), jnp.dtype(x.dtype).name)
+  return {prefix + "/".join(name(k) for k in path): (tuple(x.shape), jnp.dtype(x.dtype).name)
           for path, x in leaves}
 
 
-def tree_difference(saved, wanted) -> str:
-  """The first difference between two trees of arrays, in words; "" when they match."""
-  a, b = _arrays(saved), _arrays(wanted)
+def tree_difference(saved, wanted, prefix: str = "") -> str:
+  """The first difference between two trees of arrays, in words; "" when they match. `prefix`
+  goes before every name (e.g. "params/" when the trees are the params of a train state)."""
+  a, b = _arrays(saved, prefix), _arrays(wanted, prefix)
   for name in sorted(a.keys() | b.keys()):
     if name not in b:
       return f"the checkpoint has {name} {a[name][0]}, which the model lacks"
@@ -68,13 +69,22 @@ def tree_difference(saved, wanted) -> str:
 class Checkpoints:
   """Checkpoints of a train-state pytree under `directory`."""
 
-  def __init__(self, directory: str | pathlib.Path, *, every: int, keep: int, last: int):
+  def __init__(self, directory: str | pathlib.Path, *, every: int = 1, keep: int = 1,
+               last: int = 1, read_only: bool = False):
+    """Saves every `every` steps and at step `last`, keeping the newest `keep`; with
+    `read_only`, only reads (the policies are unused, nothing is written or moved)."""
     self.directory = pathlib.Path(directory).absolute()
-    save_policy = policies.AnySavePolicy([policies.FixedIntervalPolicy(every),
-                                          policies.SpecificStepsPolicy((last,))])
-    self.manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-        save_decision_policy=save_policy, preservation_policy=policies.LatestN(keep),
-        create=True), item_handlers=ocp.StandardCheckpointHandler())
+    self.read_only = read_only
+    if read_only:           # no policy acts before a save, and this one never saves
+      options = ocp.CheckpointManagerOptions(create=False)
+    else:
+      save_policy = policies.AnySavePolicy([policies.FixedIntervalPolicy(every),
+                                            policies.SpecificStepsPolicy((last,))])
+      options = ocp.CheckpointManagerOptions(
+          save_decision_policy=save_policy, preservation_policy=policies.LatestN(keep),
+          create=True)
+    self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                         item_handlers=ocp.StandardCheckpointHandler())
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -88,6 +98,8 @@ class Checkpoints:
 
     NonFiniteStateError, saving nothing, if any float array of `state` holds NaN or inf.
     """
+    if self.read_only:
+      raise RuntimeError(f"Checkpoints({self.directory}, read_only=True) cannot save")
     if not bool(_all_finite(state)):
       raise NonFiniteStateError(
           f"the parameters or optimizer state after step {step} hold NaN or inf (the loss may "
@@ -124,6 +136,44 @@ class Checkpoints:
       except Exception as e:  # noqa: BLE001  (any failure to read means: try an older one)
         self._set_aside(step, e)
     return None
+
+  def restore_params(self, like, step: int | None = None):
+    """-> (step, params): the "params" entry of checkpoint `step` (None: the newest one that
+    restores, skipping unreadable ones with a warning), with the shapes/dtypes/shardings of
+    `like` (the model's nnx.State of Params); the step counter and optimizer state are not read.
+    UsageError for a step that is not there or does not restore; DifferentModelError if the
+    checkpoint holds other parameters than `like`."""
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    if step is not None and step not in steps:
+      raise UsageError(f"no checkpoint at step {step} in {self.directory}; the steps saved "
+                       f"are {sorted(steps) or 'none'}")
+    for candidate in [step] if step is not None else steps:
+      try:
+        metadata = self.manager.item_metadata(candidate)
+        if not metadata or "params" not in metadata:
+          raise ValueError("its metadata is missing")
+        if difference := tree_difference(metadata["params"], abstract, prefix="params/"):
+          raise DifferentModelError(difference)
+        target = {"params": abstract}
+        restored = ocp.PyTreeCheckpointer().restore(
+            self.directory / str(candidate) / "default",     # the manager's one item
+            args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True))
+        return candidate, restored["params"]
+      except DifferentModelError:
+        raise
+      except Exception as e:  # noqa: BLE001  (any failure to read means: try an older one)
+        reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        if step is not None:
+          raise UsageError(f"checkpoint {step} in {self.directory} does not restore "
+                           f"({reason})") from None
+        logging.warning("checkpoint %d does not restore (%s); trying the next older one",
+                        candidate, reason)
+    raise UsageError(f"no checkpoint in {self.directory} restores (steps found: "
+                     f"{sorted(steps) or 'none'})")
 
   def _set_aside(self, step: int, error: Exception) -> None:
     path = self.directory / str(step)

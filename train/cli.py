@@ -1,37 +1,68 @@
-"""What every training binary shares: --config, --workdir, the multi-host flags, `run`.
+"""What every training binary shares: its flags, the modes, and `run`, its main.
+
+Modes (--mode): `train` (the default) trains --config in --workdir, resuming from its newest
+checkpoint; `eval` and `sample` (language models) load a run's model from --workdir
+(train.inference: its config.json and the newest checkpoint, or --step) and print the
+evaluation metrics or a generated sample, writing nothing; `config` prints every field of
+--config, with the command's overrides, as the --config.<field>=<value> flags that set it.
+In eval and sample modes the config is the run's own, with this command's --config.<field>
+overrides applied when --config is given (e.g. --config.sample.num_tokens=200).
 
 Bad input ends a binary with one line on stderr, `error: ...`, naming the flag or config field,
-its value and what was expected, and exit status 2: flag and config-override parse errors, an
-unknown config field, a missing config file, an unwritable workdir (checked before anything
-slow), multi-host flags that do not fit together, and every train.errors.UsageError the config
-checks raise. A run stopped on purpose (train.errors.TrainingError: non-finite values) prints its
-message with status 1. Everything else is a bug and keeps its traceback.
+its value and what was expected, and exit status 2: flag and config-override parse errors (an
+unknown flag that is a config field says to write --config.<field>), an unknown config field, a
+missing config file, an unwritable workdir (checked before anything slow), multi-host flags
+that do not fit together, and every train.errors.UsageError the config checks raise. A run
+stopped on purpose (train.errors.TrainingError: non-finite values) prints its message with
+status 1, and so does a multi-host start that does not complete within --init_timeout_s
+(train.errors.StartupError, naming the missing processes; train.distributed). Everything else
+is a bug and keeps its traceback.
 
 SIGTERM and SIGINT end the binary with status 0 and no traceback: inside the training loop
-after saving the step under way (train.trainer.fit), before or after it at once (nothing to save).
+after saving the step under way (train.trainer.fit), before or after it at once (nothing to save),
+also while waiting for the other processes of a multi-host run.
 """
 
+import os
 import re
 import runpy
 import signal
 import sys
 from typing import Callable
 
+import jax
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from train import errors, sharding, trainer
+from train import distributed, errors, inference, trainer
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (configs/*.py).",
-                                          lock_config=True)
-flags.mark_flag_as_required("config")
+MODES = ("train", "eval", "sample", "config")
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.",
-                               required=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config (configs/*.py); override any field with "
+    "--config.<field>=<value> (--mode=config lists them). Required to train; in eval and "
+    "sample modes only needed for overrides.", lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for checkpoints, metrics and plots (train); the run to load "
+    "(eval, sample). Rerunning with the same --workdir resumes.")
+_MODE = flags.DEFINE_enum(
+    "mode", "train", MODES, "train: train --config in --workdir. eval: the evaluation loss of "
+    "--workdir's model. sample: text from --workdir's language model. config: print every "
+    "config field as a --config.<field>=<value> flag.")
+_STEP = flags.DEFINE_integer(
+    "step", None, "eval and sample modes: the checkpoint step to load (default: the newest).")
 _COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", "", "host:port of process 0 for multi-host runs (empty: one host).")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (hosts).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, N).")
+    "coordinator_address", "", "Multi-host: HOST:PORT of process 0, the same on every process "
+    "(empty: one process).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
+                                      "Multi-host: the number of processes (hosts).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None,
+                                   "Multi-host: this process's index in [0, --num_processes).")
+_INIT_TIMEOUT_S = flags.DEFINE_float(
+    "init_timeout_s", 300.0, "Multi-host: seconds every process waits at start-up for all "
+    "--num_processes processes to reach the coordinator; then each exits with one line "
+    "naming the missing ones.", lower_bound=0.0)
+_argv: list[str] = []
 
 
 def _fail(message: str, status: int = 2):
@@ -61,10 +92,32 @@ def _config_file_error(error: OSError) -> str:
   return f"--config={flags.FLAGS['config'].config_filename}: cannot load it ({lines[-1]})"
 
 
+def _unknown_flag(error: flags.UnrecognizedFlagError, argv: list[str]) -> str:
+  """absl's unknown-flag error, with where the flag's name is a config field: --config.<name>."""
+  name, given = error.flagname, str(error.flagvalue or f"--{error.flagname}")
+  value = given.split("=", 1)[1] if "=" in given else "..."
+  config_file = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+  try:
+    config = runpy.run_path(config_file)["get_config"]() if config_file else None
+  except Exception:  # noqa: BLE001  (the hint is optional; the error stands without it)
+    config = None
+  node = config
+  for key in name.split("."):
+    node = node[key] if isinstance(node, ConfigDict) and key in node else None
+  if node is not None:
+    return (f"unknown flag {given}: {name} is a field of {config_file}, set it with "
+            f"--config.{name}={value}")
+  return (f"{error} (--help lists the flags); config fields are set with "
+          "--config.<field>=<value>, and --mode=config lists them")
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing with one-line errors instead of usage dumps and chained tracebacks."""
+  _argv[:] = argv
   try:
     return flags.FLAGS(argv)
+  except flags.UnrecognizedFlagError as e:
+    _fail(_unknown_flag(e, argv))
   except flags.Error as e:
     _fail(str(e))
   except (AttributeError, KeyError) as e:      # ml_collections: an override of a missing field
@@ -91,35 +144,116 @@ def check_flags(argv: list[str]) -> None:
 
 
 def initialize() -> None:
-  """Quiet library logging; jax.distributed.initialize when --coordinator_address is given."""
+  """Quiet library logging; with --coordinator_address, start the multi-host runtime once every
+  process is there (train.distributed; StartupError after --init_timeout_s otherwise)."""
   logging.set_verbosity(logging.WARNING)
-  sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  if _COORDINATOR.value:
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                           timeout_s=_INIT_TIMEOUT_S.value)
 
 
 def workdir() -> str:
   return _WORKDIR.value
 
 
-def run(train_and_evaluate: Callable) -> None:
-  """The binary's main: parse flags, check them and the workdir, initialize,
-  train_and_evaluate(config, workdir); errors as described in the module docstring."""
+def config_lines(config, prefix: str = "config") -> list[str]:
+  """Every field of `config` as the flag that sets it, `--config.model.d_model=32`."""
+  lines = []
+  for key in config.keys():
+    value = config[key]
+    if isinstance(value, ConfigDict) and value.keys():
+      lines += config_lines(value, f"{prefix}.{key}")
+    else:
+      shown = ("{}" if isinstance(value, ConfigDict) else
+               value if isinstance(value, str) and value else repr(value))
+      lines.append(f"--{prefix}.{key}={shown}")
+  return lines
+
+
+def _file_config():
+  """The --config file's config with the command's overrides; None without --config."""
+  try:
+    config = _CONFIG.value
+    if config is not None:
+      config.keys()                         # a config file that failed to load raises here
+    return config
+  except OSError as e:
+    raise errors.UsageError(_config_file_error(e)) from None
+
+
+def run_config(config) -> ConfigDict:
+  """eval/sample modes: the run's saved config, with the command's --config.<field> overrides."""
+  saved = inference.load_config(workdir())
+  if config is None:
+    return saved
+  overrides = config_flags.get_override_values(flags.FLAGS["config"])
+  try:
+    saved.update_from_flattened_dict(overrides)
+  except (KeyError, AttributeError, TypeError) as e:
+    raise errors.UsageError(f"cannot apply {sorted(overrides)} to the config of "
+                            f"{workdir()} ({e})") from None
+  return saved
+
+
+def _evaluate(config) -> None:
+  model, config, step = inference.load(workdir(), _STEP.value, config=config)
+  metrics = inference.evaluate(model, config)
+  if jax.process_index() == 0:
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(),
+                                                         key=lambda kv: kv[0] != "eval_loss"))
+    print(f"checkpoint {step} of {os.path.abspath(workdir())}, {config.eval_batches} "
+          f"evaluation batches of {config.batch_size}: {shown}")
+
+
+def _sample(config, sample: Callable) -> None:
+  model, config, step = inference.load(workdir(), _STEP.value, config=config)
+  text = sample(model, config)
+  if jax.process_index() == 0:
+    print(f"--- sample from checkpoint {step} of {os.path.abspath(workdir())} (prompt "
+          f"{config.sample.prompt!r}, temperature {config.sample.temperature}) ---\n{text}\n---")
+
+
+def run(train_and_evaluate: Callable, *, sample: Callable | None = None) -> None:
+  """The binary's main: parse flags, check them and the workdir, initialize, then by --mode:
+  train_and_evaluate(config, workdir); evaluate or sample (sample(model, config) -> str; without
+  it the binary has no sample mode) the run in --workdir; or print the config's fields. Errors
+  as described in the module docstring."""
+  modes = [m for m in MODES if m != "sample" or sample is not None]
 
   def main(argv):
     # outside fit's own handlers, SIGTERM raises KeyboardInterrupt like SIGINT (caught below)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-      try:
-        config = _CONFIG.value
-        config.keys()                         # a config file that failed to load raises here
-      except OSError as e:
-        raise errors.UsageError(_config_file_error(e)) from None
+      mode = _MODE.value
+      if mode not in modes:
+        raise errors.UsageError(f"--mode={mode}: this binary's modes are {', '.join(modes)}")
+      config = _file_config()
       check_flags(argv)
-      trainer.prepare_workdir(workdir())       # fails in a second, before any compiling
+      if mode in ("train", "config") and config is None:
+        raise errors.UsageError(f"--config=FILE is required with --mode={mode}: the experiment "
+                                "config, e.g. configs/lm_smoke.py")
+      if mode == "config":
+        print(f"# {flags.FLAGS['config'].config_filename}, with this command's overrides; set "
+              "any field with the flag as shown")
+        print("\n".join(config_lines(config)))
+        return
+      if not workdir():
+        raise errors.UsageError(f"--workdir is required with --mode={mode}: the run's "
+                                "directory (checkpoints, metrics, config.json)")
+      if mode == "train":
+        trainer.prepare_workdir(workdir())       # fails in a second, before any compiling
+        initialize()
+        train_and_evaluate(config, workdir())
+        return
+      config = run_config(config)
       initialize()
-      train_and_evaluate(config, workdir())
+      if mode == "eval":
+        _evaluate(config)
+      else:
+        _sample(config, sample)
     except errors.UsageError as e:
       _fail(str(e))
-    except errors.TrainingError as e:
+    except (errors.TrainingError, errors.StartupError) as e:
       _fail(str(e), status=1)
     except KeyboardInterrupt:            # outside the training loop, or a second signal in it
       sys.stderr.write("interrupted: stopped without saving; the checkpoints in --workdir are "

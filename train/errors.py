@@ -1,7 +1,7 @@
-"""The two kinds of error a training binary reports as one sentence instead of a traceback.
+"""The kinds of error a training binary reports as one sentence instead of a traceback.
 
-`train.cli.run` prints the message of either alone on stderr and exits with status 2 (UsageError)
-or 1 (TrainingError); any other exception is a bug and keeps its traceback.
+`train.cli.run` prints the message alone on stderr and exits with status 2 (UsageError) or 1
+(TrainingError, StartupError); any other exception is a bug and keeps its traceback.
 """
 
 
@@ -14,3 +14,7 @@ class UsageError(ValueError):
 
 class TrainingError(RuntimeError):
   """The run stopped on purpose; the message says why, at which step, and what is kept."""
+
+
+class StartupError(RuntimeError):
+  """A multi-host run could not start: processes missing or misconfigured (train.distributed)."""

@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxops import checks
 from models.lm import LanguageModel
+from models.unet3d import param_count
 from train import sharding, trainer
 from train.data import synthetic, text
 from train.errors import UsageError
@@ -113,13 +114,18 @@ def synthetic_batches(config):
   return (functools.partial(make, stream=text.TRAIN), functools.partial(make, stream=text.VAL))
 
 
-def build_task(config) -> trainer.Task:
+def build_task(config, model: LanguageModel | None = None) -> trainer.Task:
+  """The Task of config; `model` (e.g. train.load_model's) instead of a fresh make_model(config).
+  Prints the model's parameter count (process 0)."""
   kinds = ("text",) + tuple(synthetic.TASKS)
   if config.data.kind not in kinds:
     raise UsageError(f"config.data.kind must be one of {kinds}, got {config.data.kind!r}")
   batches = text_batches if config.data.kind == "text" else synthetic_batches
   train_batch, eval_batch = batches(config)        # data errors first: the model is slower
-  model = make_model(config)
+  if model is None:
+    model = make_model(config)
+    if jax.process_index() == 0:
+      print(f"{type(model).__name__}: {param_count(model):,} parameters")
   return trainer.Task(model=model, loss_fn=lm_loss,
                       train_batch=lambda step: train_batch(index=step),
                       eval_batch=lambda i: eval_batch(index=i),
@@ -129,6 +135,7 @@ def build_task(config) -> trainer.Task:
 
 def sample(model: LanguageModel, config) -> str:
   """Decode config.sample.num_tokens bytes after config.sample.prompt, token by token."""
+  check_sample_config(config)
   prompt = jnp.asarray([list(config.sample.prompt.encode())], jnp.int32)
   out = model.generate(prompt, config.sample.num_tokens,
                        temperature=config.sample.temperature, seed=config.seed)
@@ -146,21 +153,26 @@ def check_sample_config(config) -> None:
 
 def train_and_evaluate(config, workdir: str) -> trainer.FitResult:
   """Train the LM, print a generated sample, say where the outputs are (after a signal: only
-  what fit printed, the saved step and how to resume)."""
+  what fit printed, the saved step and how to resume; for a run already complete, only that)."""
   trainer.check_config(config)
   check_sample_config(config)
   result = trainer.fit(config, workdir, build_task(config))
-  if result.stopped:
+  if result.stopped or result.already_complete:
     return result
   if config.sample.num_tokens > 0:
     text_out = sample(result.model, config)       # every process decodes (same result)
     if jax.process_index() == 0:
       (result.workdir / "sample.txt").write_text(text_out)
-    print(f"--- sample (recurrent decoding, temperature {config.sample.temperature}) ---\n"
-          f"{text_out}\n---")
-  fmt = lambda x: "n/a" if x is None else f"{x:.4f}"
-  print(f"final train loss {fmt(result.final_loss)}, eval loss {fmt(result.eval_loss)}, "
-        f"{result.steps_per_s:.2f} steps/s\n"
-        f"outputs in {result.workdir.absolute()}: checkpoints/, metrics.jsonl, tb/, loss.png, "
-        "sample.txt, config.json")
+      print_sample(text_out, config)
+  if jax.process_index() == 0:
+    fmt = lambda x, spec=".4f": "n/a" if x is None else format(x, spec)
+    print(f"final train loss {fmt(result.final_loss)}, eval loss {fmt(result.eval_loss)}, "
+          f"{fmt(result.steps_per_s, '.2f')} steps/s\n"
+          f"outputs in {result.workdir.absolute()}: checkpoints/, metrics.jsonl, tb/, loss.png, "
+          "sample.txt, config.json")
   return result
+
+
+def print_sample(text_out: str, config) -> None:
+  print(f"--- sample (recurrent decoding, temperature {config.sample.temperature}) ---\n"
+        f"{text_out}\n---")

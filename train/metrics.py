@@ -16,8 +16,8 @@ is therefore written here, synchronously, with tensorboardX's record writer and 
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import pathlib
 import socket
 import sys
@@ -103,29 +103,46 @@ def read_metrics(path: pathlib.Path) -> list[dict]:
 
 class ProgressBar:
   """`[####....] step/total loss | steps/s tokens/s | eta` on stderr (redrawn on a terminal,
-  one line per ~5% otherwise). Rates are measured from the first finished step (after compiling)."""
+  one line per ~5% otherwise); silent unless `active` (process 0 of a multi-host run).
 
-  def __init__(self, total: int, tokens_per_step: int, *, width: int = 24):
-    self.total, self.tokens, self.width = total, tokens_per_step, width
-    self.t0, self.first, self.last_line = None, None, 0
-    self.tty = sys.stderr.isatty()
-    self.rate = 0.0
+  `rate` (steps/s) counts training time only: it is measured from the first finished step
+  (after compiling), and the time spent inside `paused()` (evaluation, checkpointing) is left
+  out. It is None until two steps have finished; until then the line shows no rates or eta.
+  """
+
+  def __init__(self, total: int, tokens_per_step: int, *, width: int = 24, active: bool = True):
+    self.total, self.tokens, self.width, self.active = total, tokens_per_step, width, active
+    self.t0, self.first, self.last_line, self.excluded = None, None, 0, 0.0
+    self.tty = active and sys.stderr.isatty()
+    self.rate: float | None = None
+
+  @contextlib.contextmanager
+  def paused(self):
+    """Time spent in this block is not training time: kept out of `rate`."""
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.excluded += time.perf_counter() - start
 
   def update(self, step: int, loss: float) -> None:
     """After `step` (0-based) finished with `loss`."""
     done = step + 1
     if self.t0 is None:
-      self.t0, self.first = time.perf_counter(), done
-    elapsed = time.perf_counter() - self.t0
-    self.rate = (done - self.first) / elapsed if elapsed > 0 else 0.0
+      self.t0, self.first, self.excluded = time.perf_counter(), done, 0.0
+    elapsed = time.perf_counter() - self.t0 - self.excluded
+    if done > self.first and elapsed > 0:
+      self.rate = (done - self.first) / elapsed
+    if not self.active:
+      return
     if not self.tty and done - self.last_line < max(1, self.total // 20) and done != self.total:
       return
     self.last_line = done
     filled = self.width * done // self.total
-    eta = (self.total - done) / self.rate if self.rate else math.inf
-    text = (f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} "
-            f"loss {loss:.4f} | {self.rate:.2f} steps/s {self.rate * self.tokens:,.0f} tok/s"
-            f" | eta {eta:.0f}s")
+    text = f"[{'#' * filled}{'.' * (self.width - filled)}] {done}/{self.total} loss {loss:.4f}"
+    if self.rate is not None:
+      text += (f" | {self.rate:.2f} steps/s {self.rate * self.tokens:,.0f} tok/s"
+               f" | eta {(self.total - done) / self.rate:.0f}s")
     sys.stderr.write(("\r" + text) if self.tty else text + "\n")
     sys.stderr.flush()
 

@@ -108,14 +108,19 @@ def dense_shape(shapes, levels: int) -> tuple[int, ...]:
   return tuple(f * math.ceil(max(s[a] for s in shapes) / f) for a in range(3))
 
 
-def build_task(config) -> trainer.Task:
+def build_task(config, model: nnx.Module | None = None) -> trainer.Task:
+  """The Task of config; `model` (e.g. train.load_model's) instead of a fresh make_model(config).
+  Prints the model's parameter count (process 0)."""
   d = config.data
   shapes = [tuple(s) for s in d.shapes]
   try:
     volumes.check_shapes(shapes, d.patch, d.num_tokens, d.fields_per_item)
   except ValueError as e:
     raise UsageError(f"config.data is invalid: {e}") from e
-  model = make_model(config)
+  if model is None:
+    model = make_model(config)
+    if jax.process_index() == 0:
+      print(f"{type(model).__name__}: {param_count(model):,} parameters")
   fields = functools.partial(volumes.sample_fields, seed=config.seed,
                              count=config.batch_size * d.fields_per_item, shapes=shapes)
   if config.model.kind == "pack3d":
@@ -127,7 +132,6 @@ def build_task(config) -> trainer.Task:
     view = functools.partial(volumes.pad, max_shape=shape)
     loss_fn = unet_loss
     tokens = config.batch_size * d.fields_per_item * math.prod(shape) // math.prod(d.patch)
-  print(f"{type(model).__name__}: {param_count(model):,} parameters")
   return trainer.Task(
       model=model, loss_fn=loss_fn,
       train_batch=lambda step: view(fields(stream=0, index=step)),
@@ -138,9 +142,10 @@ def build_task(config) -> trainer.Task:
 def train_and_evaluate(config, workdir: str) -> trainer.FitResult:
   trainer.check_config(config)
   result = trainer.fit(config, workdir, build_task(config))
-  if result.stopped:          # fit said which step is saved and how to resume
+  if result.stopped or result.already_complete:   # fit said which step is saved and what to do
     return result
-  print(f"final train loss {result.final_loss}, eval loss {result.eval_loss}; "
-        f"outputs in {result.workdir.absolute()}: checkpoints/, metrics.jsonl (eval_dice), tb/, "
-        "loss.png")
+  if jax.process_index() == 0:
+    print(f"final train loss {result.final_loss}, eval loss {result.eval_loss}; "
+          f"outputs in {result.workdir.absolute()}: checkpoints/, metrics.jsonl (eval_dice), "
+          "tb/, loss.png")
   return result

@@ -7,7 +7,11 @@ A `Task` says what to train: a freshly initialised model, a loss, and batches as
   state', metrics = train_step(state, batch)  jitted, state donated; AdamW + clipping (train/optim)
   every config.eval_every steps: mean loss over config.eval_batches evaluation batches
   every config.checkpoint_every steps (and at the end): orbax checkpoint, newest few kept
-  start: resume from the newest checkpoint in workdir/checkpoints that restores, if any
+  start: resume from the newest checkpoint in workdir/checkpoints that restores, if any; one at
+         or past config.steps means the run is already complete: fit says so, trains nothing
+         and writes nothing (config.json and summary.json stay those of the finished run)
+  progress: a bar on stderr (process 0 only) with steps/s and tokens/s of the training steps
+         alone (evaluation and checkpoint time excluded), also logged and in summary.json
 
 `step` is also the data position (batch = task.train_batch(step)), so a stopped and resumed run
 reproduces the uninterrupted run's losses exactly.
@@ -90,11 +94,12 @@ class Task:
 @dataclasses.dataclass
 class FitResult:
   model: nnx.Module          # with the final parameters
-  final_loss: float | None  # None when no step ran (the run was already complete)
+  final_loss: float | None  # when the run was already complete: from its summary.json, if any
   eval_loss: float | None
-  steps_per_s: float
+  steps_per_s: float | None  # training steps only (evaluation and checkpoint time excluded)
   workdir: pathlib.Path
   stopped: str | None = None  # the signal (SIGTERM, SIGINT) that stopped the run early, if any
+  already_complete: bool = False  # the newest checkpoint was at or past config.steps: nothing ran
 
 
 def compute_dtype(config):
@@ -236,6 +241,35 @@ def _with_loss(loss_and_aux):
   return {"loss": loss, **aux}
 
 
+def evaluator(task: Task, model_of: Callable, mesh, num_batches: int) -> Callable[..., dict]:
+  """-> evaluate(params): {"eval_" + name: mean over task.eval_batch(0..num_batches-1)} for the
+  loss and the task's aux metrics, with the model model_of(params); one jitted step per batch."""
+  eval_fn = jax.jit(lambda params, batch: _with_loss(task.loss_fn(model_of(params), batch)))
+
+  def evaluate(params) -> dict:
+    rows = jax.device_get([eval_fn(params, sharding.put_batch(_batch(task, "eval", i), mesh))
+                           for i in range(num_batches)])
+    return {f"eval_{k}": float(np.mean([r[k] for r in rows])) for k in rows[0]}
+
+  return evaluate
+
+
+def _already_complete(config, workdir: pathlib.Path, step: int, model) -> FitResult:
+  """The FitResult of a run whose newest checkpoint is at or past config.steps: nothing is
+  trained or written (config.json and summary.json stay those of the run that finished)."""
+  summary_path = workdir / "summary.json"
+  try:
+    summary = json.loads(summary_path.read_text())
+  except (OSError, ValueError):
+    summary = {}
+  if jax.process_index() == 0:
+    print(f"already complete at step {step} (config.steps = {config.steps}): nothing to train; "
+          f"its outputs in {workdir.absolute()} are unchanged")
+  return FitResult(model=model, workdir=workdir, already_complete=True,
+                   final_loss=summary.get("final_loss"), eval_loss=summary.get("eval_loss"),
+                   steps_per_s=summary.get("steps_per_s"))
+
+
 def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
   """Train `task` for config.steps steps, resuming from workdir's newest checkpoint that
   restores; returns early, after saving, on SIGTERM/SIGINT (see the module docstring)."""
@@ -260,7 +294,7 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
 
     train_step = jax.jit(train_step, in_shardings=(state_sh, None), out_shardings=(state_sh, None),
                          donate_argnums=0)
-    eval_fn = jax.jit(lambda params, batch: _with_loss(task.loss_fn(model_of(params), batch)))
+    evaluate = evaluator(task, model_of, mesh, config.eval_batches)
 
     checkpoints = Checkpoints(workdir / "checkpoints", every=config.checkpoint_every,
                               keep=config.keep_checkpoints, last=config.steps)
@@ -275,11 +309,15 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
     if restored is not None:
       state = restored
     start = int(state["step"])
+    if start >= config.steps:
+      checkpoints.close()
+      return _already_complete(config, workdir, start, model_of(state["params"]))
     if jax.process_index() == 0:
       (workdir / "config.json").write_text(config.to_json(indent=2))
     writer = metrics_lib.MetricWriter(workdir, resume_step=start)
-    bar = metrics_lib.ProgressBar(config.steps, task.tokens_per_batch)
-    if start:
+    bar = metrics_lib.ProgressBar(config.steps, task.tokens_per_batch,
+                                  active=jax.process_index() == 0)
+    if start and jax.process_index() == 0:
       print(f"Resuming from the checkpoint at step {start} in {checkpoints.directory}")
 
     def record(step, step_metrics):
@@ -293,15 +331,10 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
                                    f"{checkpoints.newest_note()}")
       bar.update(step, values["loss"])
       if step % config.log_every == 0 or step + 1 == config.steps:
-        writer.write(step, {**values, "steps_per_s": bar.rate,
-                            "tokens_per_s": bar.rate * task.tokens_per_batch})
+        rates = ({} if bar.rate is None else
+                 {"steps_per_s": bar.rate, "tokens_per_s": bar.rate * task.tokens_per_batch})
+        writer.write(step, {**values, **rates})
       return values["loss"]
-
-    def evaluate(params):
-      """{"eval_" + name: mean over the evaluation batches} for the loss and the aux metrics."""
-      rows = jax.device_get([eval_fn(params, sharding.put_batch(_batch(task, "eval", i), mesh))
-                             for i in range(config.eval_batches)])
-      return {f"eval_{k}": float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
     pending, loss, eval_loss, done = None, None, None, start
     with _StopSignals() as stop:
@@ -317,12 +350,13 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
           save = checkpoints.due(done) or stopping
           if done % config.eval_every == 0 or save:
             loss, pending = record(*pending), None
-            if done % config.eval_every == 0 or done == config.steps:
-              eval_metrics = evaluate(state["params"])
-              eval_loss = eval_metrics["eval_loss"]
-              writer.write(step, eval_metrics)
-            if save:
-              checkpoints.save(done, state)
+            with bar.paused():                  # not training time: kept out of the rates
+              if done % config.eval_every == 0 or done == config.steps:
+                eval_metrics = evaluate(state["params"])
+                eval_loss = eval_metrics["eval_loss"]
+                writer.write(step, eval_metrics)
+              if save:
+                checkpoints.save(done, state)
           if stopping:
             break
       finally:

@@ -1,0 +1,114 @@
+"""The binaries as a user drives them: train, rerun the finished run (it says so and changes
+nothing), evaluate and sample from the workdir, list the config fields, --help. The command
+lines run in order through tests/binary_cases.py (forked from one process that imported the
+binaries once)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from ml_collections import ConfigDict
+
+from configs import lm_smoke
+from models.unet3d import param_count
+from tests.binaries import REPO
+from train import lm_task
+
+LM, SEG = "train.train_lm", "train.train_seg3d"
+TINY = ["--config=configs/lm_smoke.py", "--config.steps=2", "--config.eval_every=2",
+        "--config.eval_batches=1", "--config.data.max_bytes=100000", "--config.model.context=16",
+        "--config.sample.num_tokens=4"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """{name: {"status", "output", "seconds"}} for the command lines below, run in this order."""
+  workdir = tmp_path_factory.mktemp("lm")
+  cases = {
+      "train": (LM, [*TINY, f"--workdir={workdir}"]),
+      "rerun": (LM, [*TINY, f"--workdir={workdir}", "--config.eval_every=1"]),
+      "eval": (LM, [f"--workdir={workdir}", "--mode=eval"]),
+      "sample": (LM, [f"--workdir={workdir}", "--mode=sample", "--config=configs/lm_smoke.py",
+                      "--config.sample.prompt=abc", "--config.sample.num_tokens=5"]),
+      "missing_step": (LM, [f"--workdir={workdir}", "--mode=eval", "--step=1"]),
+      "config": (LM, ["--config=configs/lm_smoke.py", "--mode=config", "--config.steps=7"]),
+      "help_lm": (LM, ["--help"]),
+      "help_seg3d": (SEG, ["--help"]),
+  }
+  out = subprocess.run([sys.executable, "-m", "tests.binary_cases"], cwd=REPO, timeout=600,
+                       input=json.dumps([{"module": m, "argv": a} for m, a in cases.values()]),
+                       capture_output=True, text=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+  assert out.returncode == 0, out.stderr[-3000:]
+  return workdir, dict(zip(cases, json.loads(out.stdout)))
+
+
+def ok(result) -> str:
+  assert result["status"] == 0 and "Traceback" not in result["output"], result["output"][-3000:]
+  return result["output"]
+
+
+def test_training_prints_the_parameter_count_and_training_rates(runs):
+  output = ok(runs[1]["train"])
+  c = lm_smoke.get_config()
+  c.model.context = 16
+  count = param_count(lm_task.make_model(c))
+  assert f"LanguageModel: {count:,} parameters" in output
+  bar = [line for line in output.splitlines() if line.startswith("[")]
+  assert bar and all("inf" not in line for line in bar), bar
+  assert "steps/s" not in bar[0] and re.search(r"2/2 loss .* steps/s .* tok/s \| eta", bar[-1])
+
+
+def test_a_finished_run_rerun_says_so_and_changes_nothing(runs):
+  workdir, results = runs
+  first = ok(results["train"])
+  final, eval_loss = re.search(r"final train loss (\S+), eval loss (\S+),", first).groups()
+  output = ok(results["rerun"])
+  assert "already complete at step 2" in output and "final train loss" not in output
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert f"{summary['final_loss']:.4f}" == final and f"{summary['eval_loss']:.4f}" == eval_loss
+  assert json.loads((workdir / "config.json").read_text())["eval_every"] == 2   # not the rerun's
+  assert len(list((workdir / "tb").iterdir())) == 1                              # no new events
+
+
+def test_eval_and_sample_from_the_workdir(runs):
+  workdir, results = runs
+  summary = json.loads((workdir / "summary.json").read_text())
+  output = ok(results["eval"])
+  assert f"checkpoint 2 of {workdir}" in output
+  assert re.search(r"eval_loss (\S+)", output)[1] == f"{summary['eval_loss']:.4f}"
+  output = ok(results["sample"])
+  text = output.split(f"--- sample from checkpoint 2 of {workdir} (prompt 'abc'")[1]
+  assert text.splitlines()[1].startswith("abc")
+  missing = results["missing_step"]
+  assert missing["status"] == 2 and missing["output"].strip().splitlines() == [
+      f"error: no checkpoint at step 1 in {workdir}/checkpoints; the steps saved are [2]"]
+
+
+def flat_fields(config, prefix="config") -> set[str]:
+  out = set()
+  for key in config.keys():
+    value = config[key]
+    if isinstance(value, ConfigDict) and value.keys():
+      out |= flat_fields(value, f"{prefix}.{key}")
+    else:
+      out.add(f"{prefix}.{key}")
+  return out
+
+
+def test_mode_config_lists_every_field_as_its_flag(runs):
+  lines = [l for l in ok(runs[1]["config"]).splitlines() if l.startswith("--config.")]
+  assert {l[2:].split("=", 1)[0] for l in lines} == flat_fields(lm_smoke.get_config())
+  assert "--config.steps=7" in lines and "--config.model.mixer=attention" in lines
+
+
+@pytest.mark.parametrize("binary", ["help_lm", "help_seg3d"])
+def test_help_lists_the_flags_and_how_to_list_the_config_fields(runs, binary):
+  output = runs[1][binary]["output"]
+  for flag in ("--config", "--workdir", "--mode", "--step", "--coordinator_address",
+               "--num_processes", "--process_id", "--init_timeout_s"):
+    assert f"  {flag}:" in output, (flag, output)
+  assert "--mode=config" in output and "--config.<field>=<value>" in output
