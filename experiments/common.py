@@ -108,6 +108,64 @@ def run_key(arm: str, seed: int) -> str:
   return f"{arm}/seed{seed}"
 
 
+def experiment_name(base, default: str) -> str:
+  """The results file's and the workdirs' name: config.experiment.name, else `default`."""
+  return base.experiment.get("name", None) or default
+
+
+def sweep_lrs(base) -> tuple:
+  """The learning rates every arm is tried at (config.experiment.lrs; default: the config's)."""
+  return tuple(base.experiment.get("lrs", None) or (base.optim.lr,))
+
+
+def run_label(base, arm: str, lr: float) -> str:
+  """`arm` when the experiment has one learning rate, else `arm@lr<lr>`."""
+  return arm if len(sweep_lrs(base)) == 1 else f"{arm}@lr{lr:g}"
+
+
+def best_lr(base, results: "Results", arm: str, seed: int, metric: str,
+            lower_is_better: bool = True) -> float | None:
+  """The swept learning rate with the best `metric` of `arm` at `seed` (None until every one
+  has run)."""
+  scores = {}
+  for lr in sweep_lrs(base):
+    key = run_key(run_label(base, arm, lr), seed)
+    if not results.has(key):
+      return None
+    scores[lr] = results.runs[key][metric]
+  return (min if lower_is_better else max)(scores, key=scores.get)
+
+
+def sweep_then_seeds(base, arms, seeds, results: "Results", run_one: Callable, metric: str,
+                     lower_is_better: bool = True) -> None:
+  """The runner skeleton: run_one(arm, lr, seed) for every arm at every swept learning rate with
+  the first seed, then for the other seeds at each arm's best learning rate (by `metric` at the
+  first seed). run_one skips runs already in `results` (resume)."""
+  for arm in arms:
+    for lr in sweep_lrs(base):
+      run_one(arm, lr, seeds[0])
+  for seed in seeds[1:]:                  # seed-major: a partial run still covers every arm
+    for arm in arms:
+      run_one(arm, best_lr(base, results, arm, seeds[0], metric, lower_is_better), seed)
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom.
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228}
+
+
+def paired_interval(diffs) -> dict:
+  """Mean of per-seed paired differences with its 95% t interval:
+  {"mean", "low", "high", "n"} (low/high None for fewer than 2 pairs)."""
+  d = np.asarray(diffs, np.float64)
+  if d.size < 2:
+    return {"mean": float(d.mean()) if d.size else None, "low": None, "high": None,
+            "n": int(d.size)}
+  half = _T975.get(d.size - 1, 1.96) * d.std(ddof=1) / math.sqrt(d.size)
+  return {"mean": float(d.mean()), "low": float(d.mean() - half),
+          "high": float(d.mean() + half), "n": int(d.size)}
+
+
 def log(*args) -> None:
   print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
 

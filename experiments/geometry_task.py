@@ -3,15 +3,18 @@
 One field is a token grid of shape (Z, Y, X) with C = 4 input channels per token:
   0 object   1 inside one of 2-3 axis-aligned boxes (sides 2-4 tokens, a gap of at least
              one token between boxes)
-  1, 2       marker one-hot: a single token, in a corner cube of the field, whose class
-             m in {0, 1} is the class of every object in the field
+  1, 2       marker one-hot: a single token (marker="token") or every token of its cube
+             (marker="cube"), in a corner cube of the field, whose class m in {0, 1} is
+             the class of every object in the field
   3          Gaussian noise (a distractor)
 Labels (5 classes): 0 background (and the marker token), and for object tokens
   1 + 2 m + s,   s = 1 if the token is on its box's surface (a 6-neighbour is outside the box)
 So a token's label needs its local geometry (which of its neighbours are object: exact
 relative positions) and something far away (the marker: every object token is at least
 two cubes, Chebyshev, from the marker's cube, i.e. outside the local branch's radius-1
-neighbourhood of `block_shape` cubes; only the far branch's cube summaries reach it).
+neighbourhood of `block_shape` cubes; only the far branch's cube summaries reach it). A
+single-token marker is 1/|cube| of its cube's mean-pooled summary; marker="cube" makes the
+summary carry it whole, which is what makes the far part learnable in a CPU budget.
 
 A batch packs `fields_per_item` fields per item, padded to `num_tokens` like
 `train.data.volumes.pack` (padding: one extra field, mask 0). Items are in raster zyx
@@ -37,9 +40,14 @@ def _corner_cubes(cubes):
           for x in (0, cubes[2] - 1)]
 
 
+MARKERS = ("token", "cube")
+
+
 def field(rng: np.random.Generator, shape: Sequence[int], block_shape: Sequence[int],
-          max_tries: int = 200):
+          max_tries: int = 200, marker_kind: str = "token"):
   """(features float32 [Z, Y, X, C], labels int32 [Z, Y, X]) of one field (module doc)."""
+  if marker_kind not in MARKERS:
+    raise ValueError(f"geometry field: `marker` must be one of {MARKERS}, got {marker_kind!r}")
   shape, block = np.asarray(shape), np.asarray(block_shape)
   cubes = -(-shape // block)
   if np.any(cubes < 3):
@@ -78,13 +86,17 @@ def field(rng: np.random.Generator, shape: Sequence[int], block_shape: Sequence[
     placed += 1
   features = np.zeros((*shape, CHANNELS), np.float32)
   features[..., 0] = obj
-  features[tuple(marker) + (1 + m,)] = 1.0
+  if marker_kind == "cube":
+    features[tuple(slice(a, b) for a, b in zip(lo, hi)) + (1 + m,)] = 1.0
+  else:
+    features[tuple(marker) + (1 + m,)] = 1.0
   features[..., 3] = rng.normal(0.0, 0.5, tuple(shape))
   return features, labels
 
 
 def batch(*, seed: int, stream: int, index: int, items: int, fields_per_item: int,
-          shapes: Sequence[Sequence[int]], block_shape: Sequence[int], num_tokens: int) -> dict:
+          shapes: Sequence[Sequence[int]], block_shape: Sequence[int], num_tokens: int,
+          marker: str = "token") -> dict:
   """Packed batch (raster zyx): tokens [B, N, C], labels [B, N], coords [B, N, 3],
   field_ids [B, N], mask [B, N]; fields' shapes drawn from `shapes`; pure in
   (seed, stream, index)."""
@@ -95,7 +107,7 @@ def batch(*, seed: int, stream: int, index: int, items: int, fields_per_item: in
          "field_ids": np.zeros((items, num_tokens), np.int32),
          "mask": np.zeros((items, num_tokens), np.float32)}
   for b in range(items):
-    group = [field(rng, shapes[rng.integers(len(shapes))], block_shape)
+    group = [field(rng, shapes[rng.integers(len(shapes))], block_shape, marker_kind=marker)
              for _ in range(fields_per_item)]
     tokens, coords, ids = packing.pack_fields([f for f, _ in group])
     labels = np.concatenate([lab.reshape(-1) for _, lab in group])

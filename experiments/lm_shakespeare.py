@@ -97,28 +97,6 @@ def arm_config(base, arm: str, seed: int, lr: float | None = None):
   return c
 
 
-def sweep_lrs(base) -> tuple:
-  """The learning rates every arm is tried at (config.experiment.lrs; default: the config's)."""
-  return tuple(base.experiment.get("lrs", None) or (base.optim.lr,))
-
-
-def run_label(base, arm: str, lr: float) -> str:
-  """`arm` when the experiment has one learning rate, else `arm@lr<lr>`."""
-  return arm if len(sweep_lrs(base)) == 1 else f"{arm}@lr{lr:g}"
-
-
-def best_lr(base, results: common.Results, arm: str, seed: int) -> float | None:
-  """The swept learning rate with the lowest whole-split loss of `arm` at `seed` (None until
-  every one has run)."""
-  losses = {}
-  for lr in sweep_lrs(base):
-    key = common.run_key(run_label(base, arm, lr), seed)
-    if not results.has(key):
-      return None
-    losses[lr] = results.runs[key]["val_loss_whole"]
-  return min(losses, key=losses.get)
-
-
 def model_params(config) -> int:
   kwargs = config.model.to_dict()
   from models.lm import LanguageModel  # noqa: PLC0415
@@ -154,26 +132,21 @@ def train_stage(base, arms, seeds, results: common.Results, runs_dir) -> None:
       "param_counts": counts, "budget": {"steps": base.steps, "batch": base.batch_size,
                                          "context": base.model.context},
       "data": base.data.path or "stdlib", "max_bytes": base.data.max_bytes,
-      "val_fraction": base.data.val_fraction, "lrs": list(sweep_lrs(base))})
+      "val_fraction": base.data.val_fraction, "lrs": list(common.sweep_lrs(base))})
   _, val_bytes = text.split(text.load_corpus(base.data.path, max_bytes=base.data.max_bytes),
                             base.data.val_fraction)
   run = functools.partial(_train_one, base, results, runs_dir, counts, val_bytes)
-  for arm in arms:
-    for lr in sweep_lrs(base):
-      run(arm, lr, seeds[0])
-  for seed in seeds[1:]:                  # seed-major: a partial run still covers every arm
-    for arm in arms:
-      run(arm, best_lr(base, results, arm, seeds[0]), seed)
+  common.sweep_then_seeds(base, arms, seeds, results, run, "val_loss_whole")
 
 
 def _train_one(base, results, runs_dir, counts, val_bytes, arm: str, lr: float, seed: int):
-  label = run_label(base, arm, lr)
+  label = common.run_label(base, arm, lr)
   key = common.run_key(label, seed)
   if results.has(key):
     common.log(f"{key}: done already, skipped")
     return
   config = arm_config(base, arm, seed, lr)
-  workdir = runs_dir / experiment_name(base) / label / f"seed{seed}"
+  workdir = runs_dir / common.experiment_name(base, NAME) / label / f"seed{seed}"
   task = lm_task.build_task(config)
   n = common.param_count(task.model)
   common.log(f"{key}: {n:,} parameters ({n / counts[base.experiment.reference_arm] - 1:+.2%}"
@@ -383,11 +356,6 @@ def plot(results: common.Results, base, path) -> None:
 
 # ----------------------------------------------------------------------------- main
 
-def experiment_name(base) -> str:
-  """The results file's and the workdirs' name (config.experiment.name; default NAME)."""
-  return base.experiment.get("name", None) or NAME
-
-
 def main(argv):
   del argv
   F = flags.FLAGS
@@ -395,7 +363,8 @@ def main(argv):
   base = F.config
   arms = common.selected(base.experiment.order, F.only)
   seeds = common.seeds_from(F.seeds, base)
-  results = common.Results(experiment_name(base), directory=F.results_dir)
+  name = common.experiment_name(base, NAME)
+  results = common.Results(name, directory=F.results_dir)
   common.record_command(results)
   stages = F.stages.split(",")
   if "train" in stages:
@@ -405,7 +374,7 @@ def main(argv):
   if "profile" in stages:
     profile_stage(base, arms, results)
   if "plot" in stages:
-    plot(results, base, pathlib.Path(F.results_dir) / f"{experiment_name(base)}.png")
+    plot(results, base, pathlib.Path(F.results_dir) / f"{name}.png")
   results.save()
 
 

@@ -1,14 +1,20 @@
-"""Experiment 1: repacking. Train Pack3D segmenters on one packing layout (raster zyx) of the
-geometry task (experiments.geometry_task), evaluate under every layout of jaxops.packing and
-on field shapes not seen in training. Arms differ only in positions: learned_packed,
-rope_packed, axial_rope (and none, a control).
+"""Pack3D segmenters on the geometry task (experiments.geometry_task): trained on one packing
+layout (raster zyx), evaluated under every layout of jaxops.packing and on field shapes not
+seen in training. Two experiments use it:
 
-  python -m experiments.repacking --config=configs/exp_repacking.py \
-      [--stages=train,plot] [--only=axial_rope] [--seeds=0]
+  python -m experiments.repacking --config=configs/exp_repacking.py   # positions vs relayout
+  python -m experiments.repacking --config=configs/exp_far3d.py       # far context
 
-Per run: results/repacking.json gets, for each evaluation set (training shapes, unseen
-shapes) and layout, the token metrics of `geometry_task.token_metrics` and the largest
-|logit| change against the training layout (after undoing the permutation).
+  [--stages=train,plot] [--only=axial_rope] [--seeds=0]
+
+An arm is a dict of Pack3DAttention options over the config's (a plain string is a
+`position`). With config.experiment.lrs, every arm is swept over those learning rates at the
+first seed and run at its best for the other seeds (`common.sweep_then_seeds`, by object
+accuracy on the training layout). Per run: results/<config.experiment.name>.json gets, for each
+evaluation set (training shapes, unseen shapes) and layout, the token metrics of
+`geometry_task.token_metrics` and the largest |logit| change against the training layout
+(after undoing the permutation); and, for joint-merge arms, the same metrics with the far
+branch switched off at inference (the trained weights with merge="local").
 """
 
 from __future__ import annotations
@@ -32,15 +38,21 @@ from train import trainer
 NAME = "repacking"
 
 
-def make_model(config, position: str, seed: int) -> Pack3DSegmenter:
+def arm_options(base, arm: str) -> dict:
+  """The Pack3DAttention options of `arm` (over the config's attention_options)."""
+  spec = base.experiment.arms[arm]
+  extra = {"position": spec} if isinstance(spec, str) else dict(spec)
+  return {**base.model.attention_options.to_dict(), "max_len": base.data.num_tokens, **extra}
+
+
+def make_model(config, attention: dict, seed: int) -> Pack3DSegmenter:
   m = config.model
   return Pack3DSegmenter(
       patch=(1, 1, 1), in_channels=geometry_task.CHANNELS,
       num_classes=geometry_task.NUM_CLASSES, d_model=m.d_model, depth=m.depth,
       num_heads=m.num_heads, ffn="swiglu", ffn_options={"d_ff": m.d_ff},
-      attention_options={**m.attention_options.to_dict(), "position": position,
-                         "max_len": config.data.num_tokens},
-      impl="xla", rngs=nnx.Rngs(jax.random.key(seed, impl="rbg")))
+      attention_options=attention, impl="xla",
+      rngs=nnx.Rngs(jax.random.key(seed, impl="rbg")))
 
 
 def loss_fn(model, batch):
@@ -57,7 +69,7 @@ def make_batch(config, seed: int, stream: int, index: int, shapes) -> dict:
   return geometry_task.batch(seed=seed, stream=stream, index=index, items=config.batch_size,
                              fields_per_item=d.fields_per_item, shapes=[tuple(s) for s in shapes],
                              block_shape=tuple(config.model.attention_options.block_shape),
-                             num_tokens=d.num_tokens)
+                             num_tokens=d.num_tokens, marker=d.get("marker", "token"))
 
 
 def evaluate(model, config, seed: int) -> dict:
@@ -92,40 +104,66 @@ def evaluate(model, config, seed: int) -> dict:
   return out
 
 
+def far_ablation(model, config, attention: dict, seed: int) -> dict | None:
+  """evaluate() of the trained weights with the far branch off (merge="local"; same parameters
+  for a joint-merge arm); None for arms that are not joint."""
+  if attention.get("merge", "joint") != "joint":
+    return None
+  local = nnx.eval_shape(lambda: make_model(config, {**attention, "merge": "local"}, seed))
+  nnx.update(local, nnx.state(model))
+  return evaluate(local, config, seed)
+
+
 def train_stage(base, arms, seeds, results, runs_dir) -> None:
-  for seed in seeds:
-    for arm in arms:
-      key = common.run_key(arm, seed)
-      if results.has(key):
-        common.log(f"{key}: done already, skipped")
-        continue
-      config = copy.deepcopy(base)
-      with config.unlocked():
-        config.seed = seed
-      model = make_model(config, base.experiment.arms[arm], seed)
-      n = common.param_count(model)
-      common.log(f"{key}: position {base.experiment.arms[arm]}, {n:,} parameters")
-      task = trainer.Task(
-          model=model, loss_fn=loss_fn,
-          train_batch=lambda step, c=config, s=seed: make_batch(c, s, 0, step, c.data.shapes),
-          eval_batch=lambda i, c=config, s=seed: make_batch(c, s, 1, i, c.data.shapes),
-          tokens_per_batch=config.batch_size * config.data.num_tokens)
-      workdir = runs_dir / NAME / arm / f"seed{seed}"
-      load0, t0 = common.machine_load(), time.perf_counter()
-      fit = trainer.fit(config, workdir, task)
-      wall = time.perf_counter() - t0
-      t1 = time.perf_counter()
-      ev = evaluate(fit.model, config, seed)
-      results.put(key, {"arm": arm, "seed": seed, "position": base.experiment.arms[arm],
-                        "params": n, "steps": config.steps, "final_train_loss": fit.final_loss,
-                        "eval_loss": fit.eval_loss, "steps_per_s": fit.steps_per_s,
-                        "wall_s": wall, "eval_wall_s": time.perf_counter() - t1,
-                        "load_start": load0, "load_end": common.machine_load(), "eval": ev})
-      tr = ev["train_shapes"]
-      common.log(f"{key}: object accuracy " + ", ".join(
-          f"{l} {tr[l]['acc_objects']:.3f}" for l in packing.LAYOUTS)
-          + f"; unseen shapes {ev['unseen_shapes']['raster_zyx']['acc_objects']:.3f}"
-          + f"; wall {wall:.0f}s")
+  common.sweep_then_seeds(base, arms, seeds, results,
+                          lambda arm, lr, seed: _train_one(base, results, runs_dir, arm, lr, seed),
+                          "acc_objects_train_layout", lower_is_better=False)
+
+
+def _train_one(base, results, runs_dir, arm: str, lr: float, seed: int) -> None:
+  label = common.run_label(base, arm, lr)
+  key = common.run_key(label, seed)
+  if results.has(key):
+    common.log(f"{key}: done already, skipped")
+    return
+  config = copy.deepcopy(base)
+  with config.unlocked():
+    config.seed = seed
+    config.optim.lr = lr
+  attention = arm_options(base, arm)
+  model = make_model(config, attention, seed)
+  n = common.param_count(model)
+  spec = base.experiment.arms[arm]
+  spec = spec if isinstance(spec, str) else spec.to_dict()
+  common.log(f"{key}: {spec}, {n:,} parameters")
+  task = trainer.Task(
+      model=model, loss_fn=loss_fn,
+      train_batch=lambda step, c=config, s=seed: make_batch(c, s, 0, step, c.data.shapes),
+      eval_batch=lambda i, c=config, s=seed: make_batch(c, s, 1, i, c.data.shapes),
+      tokens_per_batch=config.batch_size * config.data.num_tokens)
+  workdir = runs_dir / common.experiment_name(base, NAME) / label / f"seed{seed}"
+  load0, t0 = common.machine_load(), time.perf_counter()
+  fit = trainer.fit(config, workdir, task)
+  wall = time.perf_counter() - t0
+  t1 = time.perf_counter()
+  ev = evaluate(fit.model, config, seed)
+  ablated = far_ablation(fit.model, config, attention, seed)
+  results.put(key, {"arm": arm, "lr": lr, "seed": seed, "options": spec,
+                    "position": attention["position"], "params": n, "steps": config.steps,
+                    "final_train_loss": fit.final_loss, "eval_loss": fit.eval_loss,
+                    "steps_per_s": fit.steps_per_s, "wall_s": wall,
+                    "eval_wall_s": time.perf_counter() - t1, "load_start": load0,
+                    "load_end": common.machine_load(), "eval": ev, "far_off": ablated,
+                    "acc_objects_train_layout": ev["train_shapes"]["raster_zyx"]["acc_objects"],
+                    **common.versions()})
+  tr = ev["train_shapes"]
+  common.log(f"{key}: object accuracy " + ", ".join(
+      f"{l} {tr[l]['acc_objects']:.3f}" for l in packing.LAYOUTS)
+      + f"; far-marker part {tr['raster_zyx']['acc_far_marker']:.3f}"
+      + ("" if ablated is None else
+         f" ({ablated['train_shapes']['raster_zyx']['acc_far_marker']:.3f} with far off)")
+      + f"; unseen shapes {ev['unseen_shapes']['raster_zyx']['acc_objects']:.3f}"
+      + f"; wall {wall:.0f}s")
 
 
 def plot(results, base, path) -> None:
@@ -159,13 +197,14 @@ def main(argv):
   base = F.config
   arms = common.selected(base.experiment.order, F.only)
   seeds = common.seeds_from(F.seeds, base)
-  results = common.Results(NAME, directory=F.results_dir)
+  name = common.experiment_name(base, NAME)
+  results = common.Results(name, directory=F.results_dir)
   common.record_command(results)
   stages = F.stages.split(",")
   if "train" in stages:
     train_stage(base, arms, seeds, results, pathlib.Path(F.runs_dir))
   if "plot" in stages:
-    plot(results, base, pathlib.Path(F.results_dir) / f"{NAME}.png")
+    plot(results, base, pathlib.Path(F.results_dir) / f"{name}.png")
   results.save()
 
 

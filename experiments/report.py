@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from experiments.common import fmt, stats
+from experiments.common import fmt, paired_interval, stats
 
 
 def _load(directory: pathlib.Path, name: str):
@@ -187,12 +187,63 @@ def seg3d(d) -> str:
                  "per seed best/final", "wall min/run", "load avg"], rows)
 
 
+def sweep(d, metric: str, reference: str, *, lower_is_better: bool = True,
+          digits: int = 4) -> str:
+  """Two tables for an experiment run by `common.sweep_then_seeds`: the learning-rate sweep at
+  the first seed, then every arm at its best learning rate with the per-seed paired difference
+  against `reference` (same seed) and its 95% t interval."""
+  runs = d["runs"].values()
+  lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs})
+  arms = list(dict.fromkeys(r["arm"] for r in runs))
+  first = min(r["seed"] for r in runs)
+  pick = min if lower_is_better else max
+  best, sweep_rows = {}, []
+  for a in arms:
+    at = {r["lr"]: r[metric] for r in runs if r["arm"] == a and r["seed"] == first}
+    if len(at) == len(lrs):
+      best[a] = pick(at, key=at.get)
+    r0 = next(r for r in runs if r["arm"] == a)
+    sweep_rows.append([f"`{a}`", f"{r0['params']:,}",
+                       f"{r0['flops_per_token']:,}" if "flops_per_token" in r0 else "n/a"]
+                      + [f"{at[lr]:.{digits}f}" if lr in at else "-" for lr in lrs]
+                      + [f"{best[a]:g}" if a in best else "pending"])
+  out = [f"Learning-rate sweep (seed {first}; {metric}):\n",
+         _table(["arm", "params", "FLOPs/token"] + [f"lr {lr:g}" for lr in lrs] + ["best lr"],
+                sweep_rows)]
+  at_best = {a: {r["seed"]: r[metric] for r in runs if r["arm"] == a and r["lr"] == best[a]}
+             for a in best}
+  ref = at_best.get(reference, {})
+  rows = []
+  for a, by_seed in at_best.items():
+    seeds = sorted(by_seed)
+    diffs = [by_seed[s] - ref[s] for s in seeds if s in ref]
+    ci = paired_interval(diffs)
+    interval = ("n/a" if ci["low"] is None else
+                f"{ci['mean']:+.{digits}f} [{ci['low']:+.{digits}f}, {ci['high']:+.{digits}f}]")
+    rows.append([f"`{a}`", f"{best[a]:g}", ", ".join(f"{by_seed[s]:.{digits}f}" for s in seeds),
+                 fmt(stats(list(by_seed.values())), digits),
+                 ", ".join(f"{x:+.{digits}f}" for x in diffs) if a != reference else "-",
+                 interval if a != reference else "-"])
+  out += [f"\nAt each arm's best learning rate ({metric}; difference: arm minus `{reference}`,"
+          f" same seed; 95% t interval over the seeds):\n",
+          _table(["arm", "lr", "per seed", "mean ± sd", f"paired diff vs {reference}",
+                  "mean diff [95% interval]"], rows)]
+  versions = sorted({f"jax {r.get('jax', '?')}, python {r.get('python', '?')}" for r in runs})
+  out.append(f"\nSoftware: {'; '.join(versions)}.")
+  return "\n".join(out)
+
+
+def lm_ffn(d) -> str:
+  return sweep(d, "val_loss_whole", "swiglu")
+
+
 def main(argv) -> None:
   directory = pathlib.Path("results")
   for a in argv[1:]:
     if a.startswith("--results_dir="):
       directory = pathlib.Path(a.split("=", 1)[1])
-  for name, fn in (("lm_shakespeare", lm), ("frac_memory_diag", frac_memory),
+  for name, fn in (("lm_shakespeare", lm), ("lm_ffn_shakespeare", lm_ffn),
+                   ("lm_ffn_stdlib", lm_ffn), ("frac_memory_diag", frac_memory),
                    ("frac_memory", frac_memory),
                    ("repacking", repacking), ("seg3d_cpu", seg3d)):
     d = _load(directory, name)

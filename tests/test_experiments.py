@@ -152,6 +152,55 @@ def test_geometry_field_labels_need_near_and_far():
     np.testing.assert_array_equal(labels, expected)
 
 
+def test_geometry_cube_marker_fills_its_cube_far_from_objects():
+  """marker="cube": every token of the marker's cube (and nothing else) carries the one-hot m,
+  and every object token is two or more cubes away from it."""
+  rng = np.random.default_rng(1)
+  block = np.array([2, 2, 2])
+  for shape in [(8, 8, 8), (6, 8, 10)]:
+    feats, labels = geometry_task.field(rng, shape, block, marker_kind="cube")
+    marker = np.argwhere(feats[..., 1:3].sum(-1) > 0)
+    cubes = {tuple(c) for c in marker // block}
+    assert len(cubes) == 1 and len(marker) == 8
+    m = int(np.argmax(feats[tuple(marker[0])][1:3]))
+    assert (feats[tuple(marker.T)][:, 1 + m] == 1).all() and (labels[tuple(marker.T)] == 0).all()
+    cells = np.argwhere(labels > 0)
+    assert ((labels[labels > 0] - 1) // 2 == m).all()
+    assert (np.max(np.abs(cells // block - marker[0] // block), axis=1) >= 2).all()
+  with pytest.raises(ValueError, match="marker"):
+    geometry_task.field(rng, (8, 8, 8), block, marker_kind="corner")
+
+
+def test_sweep_then_seeds_runs_each_arm_at_its_best_lr(tmp_path):
+  """Every arm at every lr with the first seed, then the other seeds at that arm's best."""
+  import ml_collections  # noqa: PLC0415
+  base = ml_collections.ConfigDict({"optim": {"lr": 1.0},
+                                    "experiment": {"lrs": (0.1, 0.2, 0.4)}})
+  results, ran = common.Results("sweep", directory=tmp_path), []
+  loss = {("a", 0.2): 1.0, ("b", 0.4): 2.0}
+
+  def run_one(arm, lr, seed):
+    key = common.run_key(common.run_label(base, arm, lr), seed)
+    if not results.has(key):
+      ran.append((arm, lr, seed))
+      results.put(key, {"arm": arm, "lr": lr, "seed": seed, "loss": loss.get((arm, lr), 5.0)})
+
+  common.sweep_then_seeds(base, ["a", "b"], [0, 1, 2], results, run_one, "loss")
+  assert ran[:6] == [(a, lr, 0) for a in "ab" for lr in (0.1, 0.2, 0.4)]
+  assert ran[6:] == [("a", 0.2, 1), ("b", 0.4, 1), ("a", 0.2, 2), ("b", 0.4, 2)]
+  common.sweep_then_seeds(base, ["a", "b"], [0, 1, 2], results, run_one, "loss")
+  assert len(ran) == 10                                # resumed: nothing ran twice
+  assert common.run_label(ml_collections.ConfigDict({"optim": {"lr": 1.0}, "experiment": {}}),
+                          "a", 1.0) == "a"             # one lr: the plain arm name
+
+
+def test_paired_interval_is_the_t_interval():
+  ci = common.paired_interval([0.1, 0.2, 0.3])
+  half = 4.303 * 0.1 / math.sqrt(3)
+  np.testing.assert_allclose([ci["mean"], ci["low"], ci["high"]], [0.2, 0.2 - half, 0.2 + half])
+  assert common.paired_interval([0.5])["low"] is None
+
+
 def test_geometry_batch_relayout_and_metrics():
   kw = dict(items=2, fields_per_item=2, shapes=[(6, 8, 10), (8, 8, 8)], block_shape=(2, 2, 2),
             num_tokens=1024)

@@ -233,6 +233,7 @@ def test_default_shape_matches_the_swiglu_default():
     assert d // flash.num_heads == 128 and flash.k.shape[1] >= 2
     assert abs(count(flash) / count(swiglu) - 1) < 0.02, (d, count(flash), count(swiglu))
   assert FlashFFN(96, rngs=nnx.Rngs(0)).num_heads == 1       # head width 96: all of d
+  assert SwiGLU(128, rngs=nnx.Rngs(0)).w_gate.shape == (128, 344)   # 8/3 d, a multiple of 8
 
 
 def test_layer_rejects_bad_config():
