@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -28,7 +29,8 @@ from ml_collections import ConfigDict
 from configs import lm_smoke
 from tests.binaries import REPO
 from tests.test_train import compilation_cache  # noqa: F401  (autouse: the session's cache)
-from train import lm_task, trainer
+from train import distributed, lm_task, trainer
+from train.errors import StartupError
 from train.metrics import read_metrics
 
 STEPS = 3                    # the two processes train 3 steps; the single process goes on to 5
@@ -97,6 +99,42 @@ def finish(procs, logs, deadline) -> list[str]:
       f"process {i} (status {s}):\n{log.read_text()[-3000:]}"
       for i, (s, log) in enumerate(zip(status, logs)))
   return [log.read_text() for log in logs]
+
+
+def meet(port, members, timeout_s=3.0) -> dict:
+  """train.distributed's start-up meeting, one thread per (process_id, num_processes) in
+  `members` -> {process_id: None or the StartupError's message}."""
+  outcome = {}
+
+  def one(i, n):
+    try:
+      distributed._Meeting(f"localhost:{port}", "localhost", port, n, i, timeout_s).run()
+      outcome[i] = None
+    except StartupError as e:
+      outcome[i] = str(e)
+
+  threads = [threading.Thread(target=one, args=member) for member in members]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout_s + 30)
+  return outcome
+
+
+def test_the_meeting_lets_everyone_through_when_all_are_there():
+  assert meet(free_port(), [(2, 3), (0, 3), (1, 3)]) == {0: None, 1: None, 2: None}
+
+
+@pytest.mark.parametrize("members, message", [
+    ([(0, 3), (1, 3), (1, 3)], "two processes were started with --process_id=1"),
+    ([(0, 2), (1, 3)], "process 1 was started with --num_processes=3 and process 0 with "
+                       "--num_processes=2"),
+], ids=["same_process_id", "different_num_processes"])
+def test_the_meeting_refuses_misconfigured_processes_at_once(members, message):
+  started = time.monotonic()
+  outcome = meet(free_port(), members, timeout_s=20.0)
+  assert time.monotonic() - started < 10
+  assert outcome and all(message in m for m in outcome.values()), outcome
 
 
 def start_alone(workdir, log, process_id, num_processes, port, timeout_s):

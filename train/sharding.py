@@ -1,4 +1,5 @@
-"""Device mesh from the config, parameter and batch shardings, multi-host start-up.
+"""Device mesh from the config, parameter and batch shardings (multi-host start-up is
+train.distributed).
 
 config.mesh = {data, fsdp, tensor}: sizes of the mesh axes; one of them may be -1 (fills the
 rest). The product must divide the device count; the mesh takes the first `product` devices.
@@ -95,10 +96,3 @@ def put_batch(batch: dict, mesh: Mesh) -> dict:
 
   return {k: put(v) for k, v in batch.items()}
 
-
-def initialize_distributed(coordinator_address: str, num_processes: int | None,
-                           process_id: int | None) -> None:
-  """jax.distributed.initialize when a coordinator is given (multi-host); no-op otherwise."""
-  if coordinator_address:
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
