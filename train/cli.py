@@ -62,7 +62,6 @@ _INIT_TIMEOUT_S = flags.DEFINE_float(
     "init_timeout_s", 300.0, "Multi-host: seconds every process waits at start-up for all "
     "--num_processes processes to reach the coordinator; then each exits with one line "
     "naming the missing ones.", lower_bound=0.0)
-_argv: list[str] = []
 
 
 def _fail(message: str, status: int = 2):
@@ -113,7 +112,6 @@ def _unknown_flag(error: flags.UnrecognizedFlagError, argv: list[str]) -> str:
 
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing with one-line errors instead of usage dumps and chained tracebacks."""
-  _argv[:] = argv
   try:
     return flags.FLAGS(argv)
   except flags.UnrecognizedFlagError as e:
