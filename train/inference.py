@@ -116,5 +116,4 @@ def evaluate(model: nnx.Module, config) -> dict[str, float]:
   mesh = sharding.make_mesh(config.mesh)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   with jax.set_mesh(mesh):
-    return trainer.evaluator(task, lambda p: nnx.merge(graphdef, p, rest), mesh,
-                             config.eval_batches)(params)
+    return trainer.evaluator(task, lambda p: nnx.merge(graphdef, p, rest), mesh, config)(params)

@@ -241,14 +241,15 @@ def _with_loss(loss_and_aux):
   return {"loss": loss, **aux}
 
 
-def evaluator(task: Task, model_of: Callable, mesh, num_batches: int) -> Callable[..., dict]:
-  """-> evaluate(params): {"eval_" + name: mean over task.eval_batch(0..num_batches-1)} for the
-  loss and the task's aux metrics, with the model model_of(params); one jitted step per batch."""
+def evaluator(task: Task, model_of: Callable, mesh, config) -> Callable[..., dict]:
+  """-> evaluate(params): {"eval_" + name: mean over task.eval_batch(i), i < config.eval_batches}
+  for the loss and the task's aux metrics, with the model model_of(params); one jitted step per
+  batch."""
   eval_fn = jax.jit(lambda params, batch: _with_loss(task.loss_fn(model_of(params), batch)))
 
   def evaluate(params) -> dict:
     rows = jax.device_get([eval_fn(params, sharding.put_batch(_batch(task, "eval", i), mesh))
-                           for i in range(num_batches)])
+                           for i in range(config.eval_batches)])
     return {f"eval_{k}": float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
   return evaluate
@@ -294,7 +295,7 @@ def fit(config, workdir: str | pathlib.Path, task: Task) -> FitResult:
 
     train_step = jax.jit(train_step, in_shardings=(state_sh, None), out_shardings=(state_sh, None),
                          donate_argnums=0)
-    evaluate = evaluator(task, model_of, mesh, config.eval_batches)
+    evaluate = evaluator(task, model_of, mesh, config)
 
     checkpoints = Checkpoints(workdir / "checkpoints", every=config.checkpoint_every,
                               keep=config.keep_checkpoints, last=config.steps)
