@@ -1,4 +1,4 @@
-"""Issue 12, experiment 4: byte-level Tiny Shakespeare at nanoGPT's CPU budget, five arms with
+"""Byte-level Tiny Shakespeare at nanoGPT's CPU budget, five arms with
 parameters matched within 2% of attention + SwiGLU, three seeds each.
 
   python -m experiments.lm_shakespeare --config=configs/exp_lm_shakespeare.py
@@ -46,9 +46,10 @@ def get_config():
       "arms": {
           "attention_swiglu": arm("attention", "swiglu", {}, {"d_ff": 344}),
           "attention_flashffn": arm("attention", "flashffn", {},
-                                    {"num_experts": 2, "d_expert": 128}),
+                                    {"num_heads": 4, "num_experts": 2, "d_expert": 128}),
           "frac_swiglu": arm("frac", "swiglu", _SSM, {"d_ff": 373}),
-          "frac_flashffn": arm("frac", "flashffn", _SSM, {"num_experts": 2, "d_expert": 144}),
+          "frac_flashffn": arm("frac", "flashffn", _SSM,
+                               {"num_heads": 4, "num_experts": 2, "d_expert": 144}),
           "mamba2_swiglu": arm("mamba2", "swiglu", _SSM, {"d_ff": 373}),
       },
       "throughput_steps": 50,         # timed train steps per arm and round (after warm-up)

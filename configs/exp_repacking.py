@@ -1,4 +1,4 @@
-"""Issue 12, experiment 1: repacking. Pack3D segmenters on the geometry task
+"""Repacking: Pack3D segmenters on the geometry task
 (experiments.geometry_task: box surfaces need exact 3D neighbours, box classes come from a
 marker two or more cubes away), trained on raster-zyx packing of two 8x8x8 fields per item,
 evaluated under every layout of jaxops.packing and on unseen field shapes.

@@ -1,4 +1,4 @@
-"""Issue 12, experiment 2: 3D segmentation of procedural cell volumes at CPU size.
+"""3D segmentation of procedural cell volumes at CPU size.
 
   python -m experiments.seg3d_cpu --config=configs/exp_seg3d_cpu.py
 

@@ -2,9 +2,8 @@
 
 About 3 minutes on a 2-core CPU (`make demo`):
   python -m train.train_lm --config=configs/lm_default.py --workdir=runs/lm_default
-Baseline variants: --config.model.mixer=attention (or mamba2) --config.model.ffn=swiglu; the
-FFN's sizes follow LanguageModel's rule, so every variant has the same parameter count (within
-2%).
+Baseline variants: --config.model.ffn=swiglu --config.model.ffn_options='{}' (SwiGLU then
+takes FlashFFN's parameter count, LanguageModel's rule), --config.model.mixer=mamba2.
 """
 
 import ml_collections
@@ -24,8 +23,8 @@ def get_config():
   c.model = ml_collections.ConfigDict({
       "vocab_size": 256, "d_model": 128, "num_layers": 4, "num_heads": 4, "context": 128,
       "mixer": "frac", "ffn": "flashffn",
-      "mixer_options": {},
-      "ffn_options": {},
+      "mixer_options": {"head_dim": 32, "state_dim": 16, "chunk": 32},
+      "ffn_options": {"num_heads": 4, "num_experts": 2, "d_expert": 64},
       "impl": "auto"})
   c.sample = ml_collections.ConfigDict({"prompt": "def ", "num_tokens": 300, "temperature": 0.7})
   return c

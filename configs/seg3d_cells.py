@@ -25,7 +25,7 @@ def get_config():
       "patch": (4, 4, 4), "fields_per_item": 4, "num_tokens": 4 * 768})
   c.model = ml_collections.ConfigDict({
       "kind": "pack3d", "d_model": 96, "depth": 4, "num_heads": 4, "ffn": "flashffn",
-      "ffn_options": {"num_experts": 2, "d_expert": 64},
+      "ffn_options": {"num_heads": 4, "num_experts": 2, "d_expert": 64},
       "attention_options": {"block_shape": (4, 4, 4), "radius_blocks": 1,
                             "position": "axial_rope"},
       "impl": "auto", "unet": {"base_channels": 0, "levels": 3}})

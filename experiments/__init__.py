@@ -1,4 +1,4 @@
-"""Controlled CPU-scale experiments behind RESULTS.md (issue 12), one runner module each.
+"""Controlled CPU-scale experiments behind RESULTS.md, one runner module each.
 
   python -m experiments.lm_shakespeare --config=configs/exp_lm_shakespeare.py
   python -m experiments.frac_memory    --config=configs/exp_frac_memory.py

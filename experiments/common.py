@@ -224,10 +224,6 @@ def pyplot():
   return plt
 
 
-def nan_to_none(x):
-  return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
-
-
 def define_flags(default_config: str, stages: str) -> None:
   """The runners' shared flags; called under `if __name__ == "__main__"` only, so that
   importing a runner (tests, other runners) defines no absl flags."""

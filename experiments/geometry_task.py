@@ -24,7 +24,6 @@ order (`jaxops.packing.pack_fields`); `relayout` reorders a batch into any of
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import numpy as np
@@ -145,7 +144,3 @@ def token_metrics(pred: np.ndarray, labels: np.ndarray, mask: np.ndarray) -> dic
           "acc_objects": float((pred_obj == lab_obj).mean()),
           "acc_far_marker": float(m_ok.mean()), "acc_near_surface": float(s_ok.mean()),
           "object_tokens": int(objects.sum())}
-
-
-def max_tokens(shapes, fields_per_item: int) -> int:
-  return fields_per_item * max(math.prod(s) for s in shapes)

@@ -104,12 +104,6 @@ def logical_axes(variable: nnx.Variable) -> tuple:
   return tuple(names) if names else (None,) * variable.ndim
 
 
-def param_logical_axes(model: nnx.Module) -> dict[tuple, tuple]:
-  """{path of each nnx.Param: its logical axis names}, read from the parameters' metadata."""
-  return {path: logical_axes(node) for path, node in nnx.iter_graph(model)
-          if isinstance(node, nnx.Param)}
-
-
 def _active_mesh():
   """The context mesh, or None without one, with one device, or inside a shard_map."""
   mesh = jax.sharding.get_abstract_mesh()

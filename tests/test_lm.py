@@ -9,7 +9,7 @@ from flax import nnx
 import models.frac  # noqa: F401  (imported, not skipped: an import error must fail here)
 from models.lm import LanguageModel
 
-FFNS = {"swiglu": {"d_ff": 48}, "flashffn": {"num_experts": 2, "d_expert": 16}}
+FFNS = {"swiglu": {"d_ff": 48}, "flashffn": {"num_heads": 2, "num_experts": 2, "d_expert": 16}}
 
 
 def tiny(mixer="attention", ffn="swiglu", **kwargs):

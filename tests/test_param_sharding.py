@@ -35,7 +35,7 @@ def lm_config(num_layers=2, **mesh):
   c.model.update(d_model=32, num_layers=num_layers, num_heads=2, context=16, mixer="frac",
                  ffn="flashffn", impl="xla")
   c.model.mixer_options = {"head_dim": 16, "state_dim": 8}
-  c.model.ffn_options = {"num_experts": 2, "d_expert": 16}
+  c.model.ffn_options = {"num_heads": 2, "num_experts": 2, "d_expert": 16}
   c.mesh.update(mesh or {"data": 1, "fsdp": 1, "tensor": 1})
   return c
 
@@ -53,12 +53,14 @@ def device_bytes(model, device) -> int:
 @pytest.mark.parametrize("build", [
     lambda: LanguageModel(d_model=32, num_layers=1, num_heads=2, context=16, mixer="frac",
                           ffn="flashffn", mixer_options={"head_dim": 16, "state_dim": 8},
-                          ffn_options={"num_experts": 2, "d_expert": 16}, rngs=nnx.Rngs(0)),
+                          ffn_options={"num_heads": 2, "num_experts": 2, "d_expert": 16},
+                          rngs=nnx.Rngs(0)),
     lambda: LanguageModel(d_model=32, num_layers=1, num_heads=2, context=16,
                           ffn_options={"d_ff": 64}, rngs=nnx.Rngs(0)),
     lambda: Pack3DSegmenter(patch=(2, 2, 2), in_channels=1, num_classes=3, d_model=48, depth=1,
                             num_heads=2, ffn="flashffn",
-                            ffn_options={"num_experts": 2, "d_expert": 16}, rngs=nnx.Rngs(0)),
+                            ffn_options={"num_heads": 2, "num_experts": 2, "d_expert": 16},
+                          rngs=nnx.Rngs(0)),
     lambda: UNet3D(in_channels=1, num_classes=4, base_channels=8, levels=2, rngs=nnx.Rngs(0)),
 ], ids=["lm_frac_flashffn", "lm_attention_swiglu", "pack3d_segmenter", "unet3d"])
 def test_every_parameter_carries_its_logical_axes(build):
@@ -134,8 +136,8 @@ def _kernel_case(kind):
   tokens = jnp.arange(4 * 16).reshape(4, 16) % 256
   if kind == "flashffn":
     model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=16, ffn="flashffn",
-                          ffn_options={"num_experts": 2, "d_expert": 16}, impl="pallas",
-                          rngs=nnx.Rngs(0))
+                          ffn_options={"num_heads": 2, "num_experts": 2, "d_expert": 16},
+                          impl="pallas", rngs=nnx.Rngs(0))
     return model, (tokens,), (ffn_module.ffn_kernel, "mhffn")
   if kind == "frac":
     model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=16, mixer="frac",
@@ -191,7 +193,8 @@ def test_heads_the_tensor_axis_does_not_divide_run_replicated_on_a_sequence_spli
   device's."""
   from models import flash_ffn as ffn_module
   model = LanguageModel(d_model=48, num_layers=1, num_heads=3, context=16, ffn="flashffn",
-                        ffn_options={"num_experts": 2, "d_expert": 16}, impl="pallas",
+                        ffn_options={"num_heads": 3, "num_experts": 2, "d_expert": 16},
+                        impl="pallas",
                         rngs=nnx.Rngs(0))
   tokens = jnp.arange(4 * 16).reshape(4, 16) % 256
   seen, original = [], ffn_module.ffn_kernel.mhffn
