@@ -161,13 +161,13 @@ def _train_one(base, results, runs_dir, counts, val_bytes, arm: str, lr: float, 
          "flops_per_token": model_flops_per_token(fit.model), "val_loss_whole": val,
          "val_chars": int(len(val_bytes) - 1), "eval_loss_sampled": fit.eval_loss,
          "final_train_loss": fit.final_loss, "steps_per_s": fit.steps_per_s,
-         "tokens_per_s_in_run": fit.steps_per_s * config.batch_size * config.model.context,
+         "tokens_per_s_in_run": (None if fit.steps_per_s is None else
+                                 fit.steps_per_s * config.batch_size * config.model.context),
          "wall_s": wall, "eval_wall_s": time.perf_counter() - t1,
          "load_start": load0, "load_end": common.machine_load(), "curve": curve(workdir),
          **common.versions()}
   results.put(key, row)
-  common.log(f"{key}: whole-split val {val:.4f} nats/char, {row['tokens_per_s_in_run']:,.0f}"
-             f" tok/s in run, wall {wall:.0f}s")
+  common.log(f"{key}: whole-split val {val:.4f} nats/char, wall {wall:.0f}s")
 
 
 def model_flops_per_token(model) -> int:
