@@ -24,9 +24,7 @@ import pathlib
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import app, flags, logging
 from flax import nnx
 
@@ -34,6 +32,7 @@ from experiments import common, geometry_task
 from jaxops import packing
 from models.seg3d import Pack3DSegmenter
 from train import trainer
+from train.losses import masked_cross_entropy
 
 NAME = "repacking"
 
@@ -57,11 +56,8 @@ def make_model(config, attention: dict, seed: int) -> Pack3DSegmenter:
 
 def loss_fn(model, batch):
   logits = model(batch["tokens"], batch["coords"], batch["field_ids"])[:, :, 0]
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
-  mask = batch["mask"]
-  count = jnp.maximum(mask.sum(), 1.0)
-  correct = (jnp.argmax(logits, -1) == batch["labels"]) * mask
-  return (ce * mask).sum() / count, {"accuracy": correct.sum() / count}
+  loss, accuracy = masked_cross_entropy(logits, batch["labels"], batch["mask"])
+  return loss, {"accuracy": accuracy}
 
 
 def make_batch(config, seed: int, stream: int, index: int, shapes) -> dict:

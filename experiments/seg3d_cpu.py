@@ -28,19 +28,11 @@ from train.metrics import read_metrics
 NAME = "seg3d_cpu"
 
 
-def _merge(target, overrides) -> None:
-  for key, value in overrides.items():
-    if hasattr(value, "items") and key in target and hasattr(target[key], "items"):
-      _merge(target[key], value)
-    else:
-      target[key] = value
-
-
 def arm_config(base, arm: str, seed: int):
   c = copy.deepcopy(base)
   with c.unlocked():
     c.seed = seed
-    _merge(c.model, base.experiment.arms[arm].to_dict())
+    c.model.update(base.experiment.arms[arm])          # nested options merge into the base's
     del c["experiment"]
   return c
 

@@ -19,7 +19,6 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jaxops import checks
@@ -28,6 +27,7 @@ from models.unet3d import param_count
 from train import sharding, trainer
 from train.data import synthetic, text
 from train.errors import UsageError
+from train.losses import masked_cross_entropy
 
 
 def make_model(config) -> LanguageModel:
@@ -49,14 +49,9 @@ def make_model(config) -> LanguageModel:
 
 def lm_loss(model, batch):
   """-> (mean cross entropy of targets over the masked positions, {"accuracy"} if masked)."""
-  logits = model(batch["inputs"])
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-  if "mask" not in batch:
-    return ce.mean(), {}
-  mask = batch["mask"]
-  count = jnp.maximum(mask.sum(), 1.0)
-  correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
-  return (ce * mask).sum() / count, {"accuracy": (correct * mask).sum() / count}
+  mask = batch.get("mask")
+  loss, accuracy = masked_cross_entropy(model(batch["inputs"]), batch["targets"], mask)
+  return loss, ({} if mask is None else {"accuracy": accuracy})
 
 
 def batch_checker(vocab_size: int):

@@ -18,7 +18,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from jaxops import checks
@@ -28,20 +27,20 @@ from models.unet3d import UNet3D, param_count, unet3d_matching
 from train import sharding, trainer
 from train.data import volumes
 from train.errors import UsageError
+from train.losses import masked_cross_entropy
 
 KINDS = ("pack3d", "unet3d")
 
 
 def segmentation_loss(logits, labels, mask):
   """logits [..., K], labels int [...], mask [...] -> (masked mean CE, {"dice": macro Dice})."""
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-  count = jnp.maximum(mask.sum(), 1.0)
+  loss, _ = masked_cross_entropy(logits, labels, mask)
   pred = jnp.argmax(logits, -1)
   dice = []
   for c in range(1, logits.shape[-1]):
     p, g = (pred == c) * mask, (labels == c) * mask
     dice.append((2 * (p * g).sum() + 1.0) / (p.sum() + g.sum() + 1.0))
-  return (ce * mask).sum() / count, {"dice": jnp.mean(jnp.stack(dice))}
+  return loss, {"dice": jnp.mean(jnp.stack(dice))}
 
 
 def pack3d_loss(model, batch):
