@@ -10,15 +10,20 @@ c(i) = floor(p_i / block_shape). For query i, within its own field (r = radius_b
   Loc(i) = { tokens j : max|c(j) - c(i)| <= r }                  exact token attention
   Far(i) = { cubes b : max|b - c(i)| > r, b not empty }          one summary per cube
   kbar_b = mean_{j in b} k_j ,  vbar_b = mean_{j in b} v_j ,  n_b = |b|
-  s_ij = q_i . k_j / sqrt(D) ;  s_ib = q_i . kbar_b / sqrt(D) + log(n_b)   (block_bias)
+  s_ij = q_i . k_j / sqrt(D) ;  s_ib = q_i . kbar_b / sqrt(D) + log(n_b) + beta_h
   o_i  = (sum_{Loc} e^{s_ij} v_j + sum_{Far} e^{s_ib} vbar_b) / Z_i       (one softmax)
 
-With the log(n_b) bias, a cube of identical keys contributes exactly what its tokens
-would under full attention. Options: `block_bias=False`; `gates` [B, N, H, 2] for the
+With the log(n_b) bias (`block_bias`, on by default) and beta = 0, a cube of identical
+keys contributes exactly what its tokens would under full attention. beta_h is the
+optional per-head `far_offset` [H] (None: no offset), a learnable shift of every far
+logit of head h (added to 0 with `block_bias=False`), differentiable:
+d beta_h = sum over queries and their far cubes of the far logits' cotangent.
+Options: `block_bias=False`; `gates` [B, N, H, 2] for the
 NSA-style gated merge o = g_0 softmax_Loc(...) + g_1 softmax_Far(...) of two separately
-normalized branches (a query without far cubes gets 0 from the far branch);
-`summary_rope` for summaries rotated after compression (the ablation): keys are
-un-rotated, averaged, and the mean rotated at the cube's mean position.
+normalized branches (a query without far cubes gets 0 from the far branch; there a
+per-head `far_offset` cancels inside softmax_Far, so it changes nothing and its gradient
+is 0 up to rounding); `summary_rope` for summaries rotated after compression (the
+ablation): keys are un-rotated, averaged, and the mean rotated at the cube's mean position.
 
 `pack3d_attention_reference` is dense and masked (O(N^2)); `pack3d_attention` sorts the
 tokens cube-major, gathers the <= (2r+1)^3 neighbour cubes of each query cube and
@@ -59,7 +64,7 @@ MASK = -1e30  # finite "minus infinity": fully masked rows stay finite (and are 
 # ----------------------------------------------------------------------------- checks
 
 def check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks,
-                        gates=None) -> None:
+                        gates=None, far_offset=None) -> None:
   """Raises (see `jaxops.checks`) naming the argument when shapes, dtypes or values do not fit.
 
   Concrete coords must be non-negative and unique within a field; with traced coords an
@@ -87,6 +92,11 @@ def check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks,
   if gates is not None and gates.shape != q.shape[:3] + (2,):
     raise ValueError(f"pack3d_attention: `gates` has shape {gates.shape}; expected [B, N, H, 2]"
                      f" = {q.shape[:3] + (2,)}")
+  if far_offset is not None:
+    if jnp.shape(far_offset) != q.shape[2:3]:
+      raise ValueError(f"pack3d_attention: `far_offset` has shape {jnp.shape(far_offset)};"
+                       f" expected [H] = {q.shape[2:3]} from q {q.shape}")
+    checks.floating("pack3d_attention", "far_offset", jnp.asarray(far_offset))
   if not checks.is_traced(coords) and not checks.is_traced(field_ids):
     _check_values(np.asarray(coords), np.asarray(field_ids))
 
@@ -358,15 +368,16 @@ def cube_summaries(layout: CubeLayout, k_cubes, v_cubes, coords=None, summary_ro
 
 def pack3d_attention_reference(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                                radius_blocks: int = 1, block_bias: bool = True, gates=None,
-                               summary_rope=None):
+                               summary_rope=None, far_offset=None):
   """Dense masked float32 form: every query against every token of the batch entry.
 
   A far cube b is represented once per token j in it, carrying b's summary and the
   weight 1/n_b, so the sum over far cubes is a masked sum over tokens:
   sum_{b in Far} e^{s_ib} vbar_b = sum_{j: c(j) in Far} e^{s_ic(j) - log n_c(j)} vbar_c(j).
+  far_offset [H] (optional) is added to every far logit of its head.
   Returns o [B, N, H, D] in q.dtype.
   """
-  check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks, gates)
+  check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks, gates, far_offset)
   q32, k32, v32 = (x.astype(_F32) for x in (q, k, v))
   cube = coords // jnp.asarray(block_shape, coords.dtype)
   same_field = field_ids[:, :, None] == field_ids[:, None, :]
@@ -388,6 +399,8 @@ def pack3d_attention_reference(q, k, v, coords, field_ids, *, block_shape=(4, 4,
   log_weight = 0.0 if block_bias else -jnp.log(n)[:, None, None, :]  # log n_b - log n_b = 0
   s_loc = jnp.einsum("bihd,bjhd->bhij", q32, k32) * scale
   s_far = jnp.einsum("bihd,bjhd->bhij", q32, kbar) * scale + log_weight
+  if far_offset is not None:
+    s_far = s_far + jnp.asarray(far_offset, _F32)[None, :, None, None]
   s_loc = jnp.where(local[:, None], s_loc, -jnp.inf)
   s_far = jnp.where(far[:, None], s_far, -jnp.inf)
   if gates is None:
@@ -406,11 +419,12 @@ def pack3d_attention_reference(q, k, v, coords, field_ids, *, block_shape=(4, 4,
 # ----------------------------------------------------------------------------- XLA path
 
 def _attend_chunk(q, k_cubes, v_cubes, key_valid, kbar, vbar, far_bias, neighbours,
-                  num_neighbours, gates):
+                  num_neighbours, gates, far_offset):
   """Query cubes of one chunk of one batch entry.
 
   q [c, T, H, D]; k_cubes, v_cubes [C, T, H, D]; key_valid [C, T]; kbar, vbar [C, H, D];
-  far_bias [c, C]; neighbours [c, K]; num_neighbours [c]; gates [c, T, H, 2] or None.
+  far_bias [c, C]; neighbours [c, K]; num_neighbours [c]; gates [c, T, H, 2] or None;
+  far_offset [H] float32 or None.
   Returns [c, T, H, D] float32.
   """
   c, t, h, d = q.shape
@@ -422,6 +436,8 @@ def _attend_chunk(q, k_cubes, v_cubes, key_valid, kbar, vbar, far_bias, neighbou
   s_loc = jnp.einsum("cqhd,ckhd->chqk", q, k_loc, preferred_element_type=_F32) * scale
   s_loc = jnp.where(valid, s_loc, MASK)
   s_far = jnp.einsum("cqhd,bhd->chqb", q.astype(_F32), kbar) * scale + far_bias[:, None, None]
+  if far_offset is not None:
+    s_far = s_far + far_offset[None, :, None, None]
   pv = lambda p, v_: jnp.einsum("chqk,ckhd->cqhd", p.astype(v_.dtype), v_,
                                 preferred_element_type=_F32)
   pvbar = lambda p: jnp.einsum("chqb,bhd->cqhd", p, vbar)
@@ -441,7 +457,8 @@ def _attend_chunk(q, k_cubes, v_cubes, key_valid, kbar, vbar, far_bias, neighbou
 
 def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                      radius_blocks: int = 1, block_bias: bool = True, gates=None,
-                     summary_rope=None, max_cubes: int | None = None, chunk: int = 16):
+                     summary_rope=None, far_offset=None, max_cubes: int | None = None,
+                     chunk: int = 16):
   """Fast XLA path of Pack3D attention; same arguments and result as the reference.
 
   Args (beyond the reference's):
@@ -451,8 +468,9 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   Returns:
     o [B, N, H, D] in q.dtype (matmuls in the input dtype, float32 accumulation).
   """
-  check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks, gates)
+  check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks, gates, far_offset)
   checks.ints("pack3d_attention", {"chunk": chunk})
+  offset = None if far_offset is None else jnp.asarray(far_offset, _F32)
   layout = cube_layout(coords, field_ids, block_shape=block_shape, radius_blocks=radius_blocks,
                        max_cubes=max_cubes)
   q_c, k_c, v_c = (layout.to_cubes(x) for x in (q, k, v))
@@ -467,7 +485,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
       far = is_far(keys[ids][:, None], keys[None], bias[None] > MASK / 2, radius_blocks)
       return _attend_chunk(q_c[ids], k_c, v_c, key_valid, kbar, vbar,
                            jnp.where(far, bias[None], MASK), neighbours[ids], num_nb[ids],
-                           None if g_c is None else g_c[ids])
+                           None if g_c is None else g_c[ids], offset)
     o = jax.lax.map(jax.checkpoint(step), starts)
     return o.reshape(-1, *o.shape[2:])[:cubes]
 

@@ -47,6 +47,14 @@ class Pack3DAttention(nnx.Module):
       computed as the gated merge with gates (1, 0), so it costs what "gated" does).
     rotate_summaries: "before" compression (default) or "after" (the ablation; axial_rope).
     max_cubes: cube slots when coords are traced (see `jaxops.pack3d`).
+    far_offset: learn a per-head offset beta_h on the far-summary logits,
+      s_ib = q_i . kbar_b / sqrt(D) + log(n_b) + beta_h (the parameter `far_offset` [H],
+      logical axis "heads"). It starts at 0, so at init the bias is the paper's log(n_b) and
+      a cube of identical keys still counts as its n_b tokens; training can then move each
+      head's far-vs-local balance. A vector, so never weight-decayed (`train.optim`).
+      Off by default: the paper's fixed bias stays the default unless an experiment shows the
+      offset trains better. With merge "gated" the offset cancels inside the separately
+      normalized far branch (no effect, gradient 0); with "local" there is no far branch.
     dtype: compute dtype (params are cast to it); None uses the input's dtype.
   """
 
@@ -55,7 +63,7 @@ class Pack3DAttention(nnx.Module):
                interpret=None, max_len: int | None = None, block_bias: bool = True,
                merge: str = "joint", rotate_summaries: str = "before", rope_theta: float = 10000.0,
                spacing: Sequence[float] = (1.0, 1.0, 1.0), max_cubes: int | None = None,
-               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               far_offset: bool = False, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     owner = "Pack3DAttention"
     checks.ints(owner, dict(d_model=d_model, num_heads=num_heads,
                             **checks.given(max_len=max_len, max_cubes=max_cubes)))
@@ -98,16 +106,21 @@ class Pack3DAttention(nnx.Module):
         if position == "learned_packed" else None)
     self.w_gate = (param(xavier(rngs.params(), (d_model, 2 * num_heads), param_dtype),
                          "embed", "heads") if merge == "gated" else None)
+    self.far_offset = (param(jnp.zeros((num_heads,), param_dtype), "heads")
+                       if far_offset else None)
 
   def _attend(self, q, k, v, coords, field_ids, gates):
+    # the local heads' offsets under partitioning.shard_layer(split_heads=True), else all H
+    kwargs = dict(self.op_kwargs, far_offset=None if self.far_offset is None
+                  else self.far_offset[...].astype(jnp.float32))
     if self.impl == "pallas":
       return pack3d_kernel.pack3d_attention(q, k, v, coords, field_ids, max_cubes=self.max_cubes,
-                                            interpret=self.interpret, **self.op_kwargs)
+                                            interpret=self.interpret, **kwargs)
     if self.impl == "xla":
       return pack3d_ops.pack3d_attention(q, k, v, coords, field_ids, gates=gates,
-                                         max_cubes=self.max_cubes, **self.op_kwargs)
+                                         max_cubes=self.max_cubes, **kwargs)
     return pack3d_ops.pack3d_attention_reference(q, k, v, coords, field_ids, gates=gates,
-                                                 **self.op_kwargs)
+                                                 **kwargs)
 
   def __call__(self, x, coords, field_ids):
     """x [B, N, d], coords int [B, N, 3], field_ids int [B, N] -> [B, N, d] (compute dtype)."""

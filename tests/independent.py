@@ -82,15 +82,16 @@ def rope_1d(x, positions, *, theta=10000.0):
 
 
 def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4), radius_blocks=1,
-                     block_bias=True, rope=None):
+                     block_bias=True, rope=None, far_offset=None):
   """Pack3D attention, one query token at a time, float64.
 
   rope=None: q, k are already rotated (the ops' contract). rope=(theta, spacing): q, k are
   NOT rotated, and every logit is formed from the relative rotation R(p_j - p_i):
     near key j:  s_ij = q_i^T R(p_j - p_i) k_j / sqrt(D)
     far cube b:  kbar_b(i) = mean_{j in b} R(p_j - p_i) k_j  (R applied per token, then averaged)
-                 s_ib = q_i . kbar_b(i) / sqrt(D) + log(n_b)
+                 s_ib = q_i . kbar_b(i) / sqrt(D) + log(n_b) + beta_h
   which is (R(p_i) q_i) . (R(p_j) k_j) and (R(p_i) q_i) . mean_j R(p_j) k_j written relative.
+  far_offset: beta [H], the per-head offset on every far logit (None: beta = 0).
   q, k, v [B, N, H, D]; coords int [B, N, 3]; field_ids int [B, N]. Returns o [B, N, H, D].
   """
   q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
@@ -126,6 +127,8 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4), radiu
         logit = np.einsum("hd,hd->h", q[bi, i], kbar) / math.sqrt(d)
         if block_bias:
           logit = logit + math.log(n_b)
+        if far_offset is not None:
+          logit = logit + np.asarray(far_offset, np.float64)  # beta_h for each head h
         logits.append(logit)
         values.append(vbar)
       logits = np.stack(logits)  # [keys, H]

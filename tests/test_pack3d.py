@@ -128,6 +128,66 @@ def test_xla_options_match_reference(option):
                              run(ops.pack3d_attention_reference), rtol=1e-5)
 
 
+# A per-head far offset of either sign (the layer's learnable beta_h).
+OFFSET = jnp.asarray([0.9, -1.2])
+
+
+def _with_offset_grads(op, **kwargs):
+  """jit of q, k, v, beta -> (o, (dq, dk, dv, dbeta)) for op(..., far_offset=beta)."""
+  run = lambda q, k, v, beta: op(q, k, v, COORDS, FIELD_IDS, far_offset=beta, **kwargs)
+  return jax.jit(lambda *a: (run(*a), jax.grad(functools.partial(_loss, run),
+                                               argnums=(0, 1, 2, 3))(*a)))
+
+
+def test_gated_merge_cancels_the_far_offset():
+  """With the gated merge a per-head constant on every far logit cancels inside the far
+  branch's own softmax: the XLA path and the reference give the output without it, and a
+  gradient of ~0 for it (dq, dk, dv against the reference as usual). The offset on the joint
+  softmax, with and without block_bias, is checked against the independent loop
+  (tests/test_independent.py)."""
+  q, k, v = make_qkv(jnp.float32, seed=8)
+  gates = jax.nn.sigmoid(jax.random.normal(jax.random.key(9), q.shape[:3] + (2,)))
+  kwargs = dict(block_shape=BLOCK, gates=gates)
+  out, grads = _with_offset_grads(functools.partial(ops.pack3d_attention, chunk=5), **kwargs)(
+      q, k, v, OFFSET)
+  out_ref, grads_ref = _with_offset_grads(ops.pack3d_attention_reference, **kwargs)(
+      q, k, v, OFFSET)
+  without = ops.pack3d_attention_reference(q, k, v, COORDS, FIELD_IDS, **kwargs)
+  kernel_checks.assert_close(out, without, rtol=1e-5, name="o")
+  kernel_checks.assert_close(out_ref, without, rtol=1e-5, name="o reference")
+  kernel_checks.assert_grads_close(grads[:3], grads_ref[:3], (q, k, v), "qkv", rtol=1e-5)
+  scale = float(jnp.max(jnp.abs(grads[0])))
+  for g in (grads[3], grads_ref[3]):  # measured <= 6.7e-7 of max|dq|
+    assert float(jnp.max(jnp.abs(g))) < 1e-5 * scale, g
+
+
+def test_zero_far_offset_is_bit_identical_to_none():
+  """beta = 0 adds exact zeros: the same bits as no offset, forward and gradients."""
+  q, k, v = make_qkv(jnp.float32, seed=10)
+  for path, op in (("reference", functools.partial(ops.pack3d_attention_reference,
+                                                   block_shape=BLOCK)), ("xla", PATHS["xla"])):
+    out, grads = _with_offset_grads(op)(q, k, v, jnp.zeros(H))
+    chex.assert_trees_all_equal((out, grads[:3]), _compiled(path)(q, k, v))
+
+
+@pytest.mark.parametrize("path", [
+    "mosaic", pytest.param("triton", marks=pytest.mark.slow)])
+def test_kernel_far_offset_bf16_close_to_xla(path):
+  """bf16 kernels with a far offset: output and dq, dk, dv, d far_offset within 3x the XLA
+  path's own error against the float32 reference on the same inputs (kernel_checks)."""
+  args = make_qkv(jnp.bfloat16, seed=11)
+  out_ref, grads_ref = _with_offset_grads(
+      functools.partial(ops.pack3d_attention_reference, block_shape=BLOCK))(
+          *(a.astype(jnp.float32) for a in args), OFFSET)
+  out_xla, grads_xla = _with_offset_grads(PATHS["xla"])(*args, OFFSET)
+  out, grads = _with_offset_grads(PATHS[path])(*args, OFFSET)
+  assert out.dtype == jnp.bfloat16
+  assert grads[3].shape == OFFSET.shape and grads[3].dtype == OFFSET.dtype
+  kernel_checks.assert_bf16_close_to_baseline(
+      (out, *grads), (out_xla, *grads_xla), (out_ref, *grads_ref),
+      ["o", "dq", "dk", "dv", "dfar_offset"])
+
+
 def test_kernel_options_and_default_dispatch_match_reference():
   """No bias, radius 2, a non-cubic block and rotate-after-compression, forward and grads,
   through the default dispatch (interpret=None: interpreted on CPU)."""
@@ -237,32 +297,43 @@ def test_interpreted_kernel_twice_is_bit_identical(path):
   chex.assert_trees_all_equal(first, second)
 
 
+@pytest.mark.parametrize("far_offset", [False, True], ids=["", "far_offset"])
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_lowers_for_hardware(platform):
+def test_lowers_for_hardware(platform, far_offset):
   """Forward and gradient lower to Pallas kernels (1 forward; dq, dk/dv, summaries backward)
-  at the benchmark's head shape: a 16^3 field of 4^3 cubes, 2 heads of 48, bfloat16."""
+  at the benchmark's head shape: a 16^3 field of 4^3 cubes, 2 heads of 48, bfloat16; with a
+  far offset the gradient includes d far_offset (no extra kernel)."""
   _, c, f = packing.pack_fields([np.zeros((16, 16, 16, 1))])
-  op = lambda q, k, v: kernel.pack3d_attention(q, k, v, c[None], f[None])
+  op = lambda q, k, v, *beta: kernel.pack3d_attention(q, k, v, c[None], f[None],
+                                                      far_offset=beta[0] if beta else None)
   spec = jax.ShapeDtypeStruct((1, 4096, 2, 48), jnp.bfloat16)
-  kernel_checks.assert_lowers_to_kernels(op, platform, spec, spec, spec, count=1)
-  grad = jax.grad(functools.partial(_loss, op), argnums=(0, 1, 2))
-  kernel_checks.assert_lowers_to_kernels(grad, platform, spec, spec, spec, count=4)
+  beta = (jax.ShapeDtypeStruct((2,), jnp.float32),) if far_offset else ()
+  kernel_checks.assert_lowers_to_kernels(op, platform, spec, spec, spec, *beta, count=1)
+  grad = jax.grad(functools.partial(_loss, op), argnums=tuple(range(3 + len(beta))))
+  kernel_checks.assert_lowers_to_kernels(grad, platform, spec, spec, spec, *beta, count=4)
 
 
-def test_no_races_and_no_uninitialized_reads():
-  """All four kernels race-checked on two simulated cores, which split the 6 query cubes."""
+@pytest.mark.parametrize("far_offset", [
+    True, pytest.param(False, marks=pytest.mark.slow)], ids=["far_offset", "no_offset"])
+def test_no_races_and_no_uninitialized_reads(far_offset):
+  """All four kernels race-checked on two simulated cores, which split the 6 query cubes.
+  The far-offset kernels run every access of the plain ones plus the offset's operand and
+  the summary kernel's d far_offset output (the default run checks those)."""
   coords, field_ids = packed(([(2, 4, 6)],))  # 6 cubes, each with its own far cubes
   q, k, v = make_qkv(jnp.float32, n=48, batch=1, heads=1)
-  op = lambda q, k, v: kernel.pack3d_attention(q, k, v, coords, field_ids, block_shape=BLOCK,
-                                               radius_blocks=0, block_summaries=8,
-                                               interpret=kernel_checks.race_params())
+  args = (q, k, v) + ((jnp.asarray([-0.7]),) if far_offset else ())
+  kwargs = dict(block_shape=BLOCK, radius_blocks=0)
+  op = lambda q, k, v, *beta: kernel.pack3d_attention(
+      q, k, v, coords, field_ids, far_offset=beta[0] if beta else None, block_summaries=8,
+      interpret=kernel_checks.race_params(), **kwargs)
+  argnums = tuple(range(len(args)))
   with kernel_checks.races_checked(kernels=4):  # forward, dq, dk/dv, summaries
-    grads = jax.block_until_ready(
-        jax.jit(jax.grad(functools.partial(_loss, op), argnums=(0, 1, 2)))(q, k, v))
-  ref = lambda q, k, v: ops.pack3d_attention_reference(q, k, v, coords, field_ids,
-                                                       block_shape=BLOCK, radius_blocks=0)
-  grads_ref = jax.jit(jax.grad(functools.partial(_loss, ref), argnums=(0, 1, 2)))(q, k, v)
-  for g, g_ref in zip(grads, grads_ref):
+    grads = jax.block_until_ready(jax.jit(jax.grad(functools.partial(_loss, op),
+                                                   argnums=argnums))(*args))
+  ref = lambda q, k, v, *beta: ops.pack3d_attention_reference(
+      q, k, v, coords, field_ids, far_offset=beta[0] if beta else None, **kwargs)
+  grads_ref = jax.jit(jax.grad(functools.partial(_loss, ref), argnums=argnums))(*args)
+  for g, g_ref in zip(grads, grads_ref, strict=True):
     kernel_checks.assert_close(g, g_ref, rtol=1e-5)  # NaN-filled scratch would show up here
 
 
@@ -293,6 +364,19 @@ def test_bad_inputs_name_the_argument(op, case, match):
   q, k, v = make_qkv(jnp.float32, n=12, batch=1)
   with pytest.raises(ValueError, match=match):
     op(*_bad(q, k, v, coords, field_ids, case), block_shape=BLOCK)
+
+
+@pytest.mark.parametrize("op", [ops.pack3d_attention_reference, ops.pack3d_attention,
+                                kernel.pack3d_attention], ids=["reference", "xla", "pallas"])
+@pytest.mark.parametrize("far_offset, match", [
+    (np.zeros(H + 1, np.float32), "`far_offset` has shape"),
+    (np.zeros(H, np.int32), "`far_offset` must be floating"),
+], ids=["shape", "dtype"])
+def test_bad_far_offset_names_the_argument(op, far_offset, match):
+  coords, field_ids = packed(([(2, 2, 3)],))
+  q, k, v = make_qkv(jnp.float32, n=12, batch=1)
+  with pytest.raises(ValueError, match=match):
+    op(q, k, v, coords, field_ids, block_shape=BLOCK, far_offset=far_offset)
 
 
 @pytest.mark.parametrize("op", [ops.pack3d_attention, kernel.pack3d_attention],

@@ -1,5 +1,6 @@
 """Pack3DAttention layer: impls agree, repacking invariance of axial RoPE (and its absence
-for the packed-index baselines), options and bad configuration."""
+for the packed-index baselines), the learnable far offset (also split over heads), options
+and bad configuration."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import pytest
 from flax import nnx
 
 from jaxops import packing
+from models import partitioning
+from models import pack3d as pack3d_module
 from models.pack3d import Pack3DAttention
 from tests import kernel_checks
 from tests.test_pack3d import BLOCK, COORDS, FIELD_IDS
+from train.optim import decay_mask
 
 D_MODEL, HEADS = 24, 2  # head dim 12, divisible by 6
 X = jax.random.normal(jax.random.key(0), COORDS.shape[:2] + (D_MODEL,))
@@ -40,6 +44,73 @@ def test_gated_merge_and_rotate_after_compression():
   kwargs = dict(merge="gated", rotate_summaries="after", block_bias=False, radius_blocks=0)
   kernel_checks.assert_close(run(layer(impl="xla", **kwargs)),
                              run(layer(impl="reference", **kwargs)), rtol=1e-5)
+
+
+def _offset_layer(impl, offset=(0.6, -0.9)):
+  """A far_offset layer with a nonzero offset (as after some training)."""
+  module = layer(impl=impl, far_offset=True)
+  module.far_offset[...] = jnp.asarray(offset)
+  return module
+
+
+def _value_and_grads(module, x=X):
+  loss = lambda m, x: jnp.sum(jnp.sin(m(x, COORDS, FIELD_IDS)))
+  return nnx.jit(nnx.value_and_grad(loss))(module, x)
+
+
+def test_far_offset_parameter():
+  """Off by default; on, a [H] parameter over "heads" starting at 0 (the plain log(n_b)
+  bias: the same output as without it) that AdamW never decays."""
+  assert layer().far_offset is None
+  module = layer(impl="xla", far_offset=True)
+  assert module.far_offset.shape == (HEADS,) and not np.any(np.asarray(module.far_offset[...]))
+  assert partitioning.logical_axes(module.far_offset) == ("heads",)
+  assert not decay_mask(nnx.state(module, nnx.Param))["far_offset"]
+  np.testing.assert_array_equal(run(module), run(layer(impl="xla")))
+
+
+def test_far_offset_impls_agree_forward_and_gradients():
+  """A nonzero offset reaches every impl: outputs and every parameter's gradient (the
+  offset's included) agree with the reference impl, and differ from the offset-free layer."""
+  results = {impl: _value_and_grads(_offset_layer(impl)) for impl in ("pallas", "xla",
+                                                                      "reference")}
+  (value, grads) = results["reference"]
+  assert abs(float(value) - float(_value_and_grads(layer(impl="reference"))[0])) > 1e-3
+  assert float(jnp.min(jnp.abs(grads["far_offset"][...]))) > 0
+  for impl in ("pallas", "xla"):
+    got_value, got = results[impl]
+    kernel_checks.assert_close(got_value, value, rtol=1e-5, name=impl)
+    for path, g in nnx.to_flat_state(grads):
+      kernel_checks.assert_close(dict(nnx.to_flat_state(got))[path][...], g[...], rtol=1e-5,
+                                 name=f"{impl} d{'.'.join(map(str, path))}")
+
+
+def test_far_offset_splits_over_heads_under_shard_layer(monkeypatch):
+  """Under shard_layer(split_heads=True) on a 2x2x2 mesh each device gets its local head's
+  offset ([1] of [2]); output and gradients (the offset's included) equal one device's."""
+  module = _offset_layer("xla")
+  seen, original = [], pack3d_module.pack3d_ops.pack3d_attention
+
+  def spy(*args, far_offset, **kwargs):
+    seen.append(far_offset.shape)
+    return original(*args, far_offset=far_offset, **kwargs)
+
+  monkeypatch.setattr(pack3d_module.pack3d_ops, "pack3d_attention", spy)
+  loss = lambda m, x, c, f: jnp.sum(jnp.sin(partitioning.shard_layer(m, x, c, f,
+                                                                     split_heads=True)))
+  step = nnx.jit(nnx.value_and_grad(loss))
+  # batch 4: one entry per data x fsdp device
+  x = jnp.concatenate([X, jax.random.normal(jax.random.key(1), X.shape)])
+  coords, field_ids = (np.concatenate([a, a]) for a in (COORDS, FIELD_IDS))
+  expected = step(module, x, coords, field_ids)
+  assert seen[-1] == (HEADS,)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2),
+                          partitioning.MESH_AXES)
+  with jax.set_mesh(mesh):
+    got = step(module, x, coords, field_ids)
+  assert seen[-1] == (1,)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+    kernel_checks.assert_close(a, b, rtol=1e-5)
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,10 +5,13 @@ are scattered into the cube-major layout of `jaxops.pack3d.cube_layout` (a cube 
 contiguous slab of T slots, empty slots masked), the summaries kbar, vbar are
 precomputed in XLA (`cube_summaries`), and one program per (batch, head, query cube)
 runs ONE online softmax over two key streams: its <= (2r+1)^3 neighbour cubes, then the
-cube summaries, whose far-or-not bias each program derives from the cubes' keys.
+cube summaries, whose far-or-not bias each program derives from the cubes' keys (plus
+its head's far offset, if given).
 Backward FlashAttention-2 style: dq over query cubes; dk/dv over key cubes, visiting the
 query cubes that have them as neighbours (the relation is symmetric); summary gradients
-over summary blocks, reaching the tokens through the (autodiff) VJP of the cube mean.
+over summary blocks, reaching the tokens through the (autodiff) VJP of the cube mean; the
+far offset's gradient as per-summary sums of the far scores' gradient from the summary
+kernel, summed here over batch entries and summaries.
 
 Files: `blocks.py` (tile sizes and the tuned table), `tiles.py` (tile math, far biases,
 tile plan), `mosaic.py` (TPU: scalar-prefetched neighbour table, looped over blocks of
@@ -40,27 +43,35 @@ _F32 = jnp.float32
 _KERNELS = {"mosaic": mosaic, "triton": triton}
 
 
-def _forward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vbar,
+def _plan(backend: Backend, interpret, blocks: BlockSizes, q, tables: Tables, offset, options):
+  return TilePlan.make(backend, blocks, q, tables, compiled=not interpret,
+                       far_offset=offset is not None, **options)
+
+
+def _forward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vbar, offset,
              tables: Tables, *, options):
-  plan = TilePlan.make(backend, blocks, q, tables, compiled=not interpret, **options)
+  plan = _plan(backend, interpret, blocks, q, tables, offset, options)
   kbar, vbar, tables = plan.pad_summaries(kbar, vbar, tables)
   o, lse = _KERNELS[backend].forward(plan, blocks, interpret,
-                                     *(plan.pad_d(x) for x in (q, k, v)), kbar, vbar, tables)
+                                     *(plan.pad_d(x) for x in (q, k, v)), kbar, vbar, offset,
+                                     tables)
   return o[..., :q.shape[3]], lse
 
 
-def _backward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vbar,
+def _backward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vbar, offset,
               tables: Tables, o, lse, do, *, options):
-  plan = TilePlan.make(backend, blocks, q, tables, compiled=not interpret, **options)
+  plan = _plan(backend, interpret, blocks, q, tables, offset, options)
   delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1, keepdims=True)
   kbar_p, vbar_p, tables = plan.pad_summaries(kbar, vbar, tables)
   q_p, k_p, v_p, do_p = (plan.pad_d(x) for x in (q, k, v, do.astype(q.dtype)))
   grads = _KERNELS[backend].backward(plan, blocks, interpret, q_p, k_p, v_p, kbar_p, vbar_p,
-                                     tables, do_p, lse, delta)
+                                     offset, tables, do_p, lse, delta)
   d, cubes = q.shape[3], plan.cubes
   dq, dk, dv = (g[..., :d] for g in grads[:3])
-  dkbar, dvbar = (g[:, :, :cubes, :d] for g in grads[3:])
-  return dq, dk, dv, dkbar, dvbar
+  dkbar, dvbar = (g[:, :, :cubes, :d] for g in grads[3:5])
+  # [B, H, 1, Cs] per-summary parts (padded summaries are never far: 0) -> [H, 1, 1]
+  d_offset = None if offset is None else jnp.sum(grads[5], axis=(0, 3))[:, :, None]
+  return dq, dk, dv, dkbar, dvbar, d_offset
 
 
 def _to_slots(layout, x):
@@ -77,15 +88,16 @@ def _from_slots(layout, o):
   return jnp.moveaxis(jax.vmap(lambda f, s: f[:, s])(o, layout.slot), 1, 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _attend(q, k, v, kbar, vbar, tables, cfg: KernelConfig, options):
-  return _attend_fwd(q, k, v, kbar, vbar, tables, cfg, options)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _attend(q, k, v, kbar, vbar, offset, tables, cfg: KernelConfig, options):
+  """offset: None, or beta [H, 1, 1] float32 (then differentiable too)."""
+  return _attend_fwd(q, k, v, kbar, vbar, offset, tables, cfg, options)[0]
 
 
-def _attend_fwd(q, k, v, kbar, vbar, tables, cfg, options):
+def _attend_fwd(q, k, v, kbar, vbar, offset, tables, cfg, options):
   fwd = functools.partial(_forward, options=dict(options))
-  o, lse = dispatch(fwd, cfg, q, k, v, kbar, vbar, tables)
-  return o, (q, k, v, kbar, vbar, tables, o, lse)
+  o, lse = dispatch(fwd, cfg, q, k, v, kbar, vbar, offset, tables)
+  return o, (q, k, v, kbar, vbar, offset, tables, o, lse)
 
 
 def _attend_bwd(cfg, options, residuals, do):
@@ -98,9 +110,9 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                      radius_blocks: int = 1, block_bias: bool = True, summary_rope=None,
-                     max_cubes: int | None = None, interpret=None,
+                     far_offset=None, max_cubes: int | None = None, interpret=None,
                      backend: Backend | None = None, **block_sizes):
-  """Pack3D attention as Pallas kernels, differentiable in q, k and v.
+  """Pack3D attention as Pallas kernels, differentiable in q, k, v (and far_offset).
 
   Args:
     q, k, v: [B, N, H, D] (q, k already rotated), float32 or bfloat16.
@@ -109,6 +121,8 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
       `jaxops.pack3d.pack3d_attention` (the gated merge is an XLA-path option only).
       With traced coords, an entry needing more than max_cubes cubes gets NaN outputs
       (`jaxops.pack3d.layout_status` says which and why).
+    far_offset: None, or beta [H] (float) added to every far-summary logit of its head;
+      None leaves the kernels exactly as without it (no offset operand, no gradient output).
     interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Triton);
       True (or a `pltpu.InterpretParams`) interprets everywhere; False never interprets.
     backend: force one lowering ("mosaic" or "triton"); with `interpret` this runs the
@@ -119,7 +133,8 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   Returns:
     o [B, N, H, D] in q.dtype; matmuls in the input dtype, softmax in float32.
   """
-  check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks)
+  check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks,
+                      far_offset=far_offset)
   cfg = KernelConfig.make("pack3d_attention", BlockSizes, backend=backend, interpret=interpret,
                           block_sizes=block_sizes)
   layout = cube_layout(coords, field_ids, block_shape=block_shape, radius_blocks=radius_blocks,
@@ -139,5 +154,8 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                   cube_rows=rows, cube_cols=jnp.swapaxes(rows, 1, 2),
                   neighbours=layout.neighbours, num_neighbours=layout.num_neighbours)
   options = (("block_bias", bool(block_bias)), ("radius", int(radius_blocks)))
-  o = _attend(q_s, k_s, v_s, kbar.astype(q.dtype), vbar.astype(q.dtype), tables, cfg, options)
+  offset = (None if far_offset is None
+            else jnp.asarray(far_offset).astype(_F32).reshape(heads, 1, 1))
+  o = _attend(q_s, k_s, v_s, kbar.astype(q.dtype), vbar.astype(q.dtype), offset, tables, cfg,
+              options)
   return poison_overflow(layout, _from_slots(layout, o))

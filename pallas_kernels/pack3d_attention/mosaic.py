@@ -6,6 +6,9 @@ blocks; k/v `index_map`s read the table; VMEM scratch carries the softmax state.
 holds 1 MiB, so the calls loop over (batch entry, block of `cubes_per_call` query cubes)
 and each prefetches only its block's rows of the table (plus (b, first cube) as scalars).
 The summary gradients run as one call on grid (b, h, summary block, query cube).
+With a far offset, the forward, dq and summary kernels take their head's beta as a
+[1, 1, 1] block, and the summary kernel also writes per-summary sums of the far scores'
+gradient (d beta); without one, neither operand nor output exists (`tiles.absent_refs`).
 """
 
 from __future__ import annotations
@@ -30,18 +33,21 @@ def _eighth(cube):
   return jax.lax.div(cube, 8)
 
 
-def _far(plan: TilePlan, cols_ref, rows_ref, cube):
-  """Far biases [1, S] of query cube `cube` (row cube % 8 of its 8-cube block of cube_cols)."""
+def _far(plan: TilePlan, cols_ref, rows_ref, cube, off_ref):
+  """Far biases [1, S] of query cube `cube` (row cube % 8 of its 8-cube block of cube_cols),
+  plus the head's far offset (off_ref None: none)."""
   return tiles.far_bias(tiles.query_key(cols_ref[0], jax.lax.rem(cube, 8)), rows_ref[0],
-                        plan.radius, plan.block_bias)
+                        plan.radius, plan.block_bias, None if off_ref is None else off_ref[0])
 
 
 # ----------------------------------------------------------------------------
 # Kernels. Prefetched refs: meta = (b, first query cube of the call), nbr [cc * K], nnb [cc].
+# off_ref (the head's far offset) and the summary kernel's doff_ref, doff_sc are None when
+# the call has no far offset.
 # ----------------------------------------------------------------------------
 
 def _fwd_kernel(meta, nbr, nnb, q_ref, k_ref, v_ref, kb_ref, kbar_ref, vbar_ref, rows_ref,
-                cols_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, plan: TilePlan):
+                cols_ref, off_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, plan: TilePlan):
   a, j = pl.program_id(1), pl.program_id(2)
 
   @pl.when(j == 0)
@@ -55,7 +61,7 @@ def _fwd_kernel(meta, nbr, nnb, q_ref, k_ref, v_ref, kb_ref, kbar_ref, vbar_ref,
 
   pl.when(j < nnb[a])(lambda: update(k_ref[0, 0], v_ref[0, 0], kb_ref[0, 0]))
   pl.when(j >= plan.k_max)(lambda: update(kbar_ref[0, 0], vbar_ref[0, 0],
-                                          _far(plan, cols_ref, rows_ref, meta[1] + a)))
+                                          _far(plan, cols_ref, rows_ref, meta[1] + a, off_ref)))
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
@@ -65,7 +71,8 @@ def _fwd_kernel(meta, nbr, nnb, q_ref, k_ref, v_ref, kb_ref, kbar_ref, vbar_ref,
 
 
 def _dq_kernel(meta, nbr, nnb, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kb_ref,
-               kbar_ref, vbar_ref, rows_ref, cols_ref, dq_ref, dq_sc, *, plan: TilePlan):
+               kbar_ref, vbar_ref, rows_ref, cols_ref, off_ref, dq_ref, dq_sc, *,
+               plan: TilePlan):
   a, j = pl.program_id(1), pl.program_id(2)
 
   @pl.when(j == 0)
@@ -78,7 +85,7 @@ def _dq_kernel(meta, nbr, nnb, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, 
 
   pl.when(j < nnb[a])(lambda: update(k_ref[0, 0], v_ref[0, 0], kb_ref[0, 0]))
   pl.when(j >= plan.k_max)(lambda: update(kbar_ref[0, 0], vbar_ref[0, 0],
-                                          _far(plan, cols_ref, rows_ref, meta[1] + a)))
+                                          _far(plan, cols_ref, rows_ref, meta[1] + a, off_ref)))
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _():
@@ -109,7 +116,8 @@ def _dkv_kernel(meta, nbr, nnb, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
 
 
 def _dsummary_kernel(q_ref, do_ref, lse_ref, delta_ref, kbar_ref, vbar_ref, rows_ref, cols_ref,
-                     dkbar_ref, dvbar_ref, dk_sc, dv_sc, *, plan: TilePlan):
+                     off_ref, dkbar_ref, dvbar_ref, doff_ref, dk_sc, dv_sc, doff_sc, *,
+                     plan: TilePlan):
   """Summary block s; step a visits every query cube (the far bias masks the others)."""
   a = pl.program_id(3)
 
@@ -117,10 +125,16 @@ def _dsummary_kernel(q_ref, do_ref, lse_ref, delta_ref, kbar_ref, vbar_ref, rows
   def _():
     dk_sc[...] = jnp.zeros_like(dk_sc)
     dv_sc[...] = jnp.zeros_like(dv_sc)
+    if doff_sc is not None:
+      doff_sc[...] = jnp.zeros_like(doff_sc)
 
-  dk, dv = tiles.dkv_step(q_ref[0, 0], kbar_ref[0, 0], vbar_ref[0, 0],
-                          _far(plan, cols_ref, rows_ref, a), do_ref[0, 0], lse_ref[0, 0],
-                          delta_ref[0, 0], plan.scale)
+  tile = (q_ref[0, 0], kbar_ref[0, 0], vbar_ref[0, 0], _far(plan, cols_ref, rows_ref, a, off_ref),
+          do_ref[0, 0], lse_ref[0, 0], delta_ref[0, 0], plan.scale)
+  if doff_sc is None:
+    dk, dv = tiles.dkv_step(*tile)
+  else:
+    dk, dv, ds_sum = tiles.dsummary_step(*tile)
+    doff_sc[...] += ds_sum
   dk_sc[...] += dk
   dv_sc[...] += dv
 
@@ -128,6 +142,8 @@ def _dsummary_kernel(q_ref, do_ref, lse_ref, delta_ref, kbar_ref, vbar_ref, rows
   def _():
     dkbar_ref[0, 0] = dk_sc[...].astype(dkbar_ref.dtype)
     dvbar_ref[0, 0] = dv_sc[...].astype(dvbar_ref.dtype)
+    if doff_ref is not None:
+      doff_ref[0, 0] = doff_sc[...]
 
 
 # ----------------------------------------------------------------------------
@@ -164,9 +180,14 @@ def _looped_calls(plan: TilePlan, tables: Tables, call, outputs):
 
 
 def _call(kernel, plan: TilePlan, grid, in_specs, out_specs, out_shape, scratch, interpret,
-          name, semantics, prefetch, *args):
+          name, semantics, prefetch, *args, takes_offset=False):
+  """takes_offset: the last of `args` is the far offset, left out (with its spec) when None."""
+  absent = ()
+  if takes_offset and args[-1] is None:
+    args, in_specs = args[:-1], in_specs[:-1]
+    absent = (len(prefetch) + len(args),)
   return pl.pallas_call(
-      functools.partial(kernel, plan=plan),
+      tiles.absent_refs(functools.partial(kernel, plan=plan), absent),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs,
           out_specs=out_specs, scratch_shapes=scratch),
@@ -201,6 +222,7 @@ class _Specs:
     self.summ = pl.BlockSpec((1, 1, s, d), lambda h, a, j, m, nbr, nnb: (m[0], h, summary(j), 0))
     self.rows = pl.BlockSpec((1, 8, s), lambda h, a, j, m, nbr, nnb: (m[0], 0, summary(j)))
     self.cols = pl.BlockSpec((1, 8, 8), lambda h, a, j, m, nbr, nnb: (m[0], _eighth(m[1] + a), 0))
+    self.offset = pl.BlockSpec((1, 1, 1), lambda h, a, j, m, nbr, nnb: (h, 0, 0))
 
 
 def _outputs(plan: TilePlan, *dtypes_widths):
@@ -213,24 +235,28 @@ def _outputs(plan: TilePlan, *dtypes_widths):
   return full, per_call
 
 
-def forward(plan: TilePlan, _blocks, interpret, q, k, v, kbar, vbar, tables: Tables):
+def forward(plan: TilePlan, _blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables):
   sp, cc = _Specs(plan), plan.cubes_per_call
   cols = _padded_cols(plan, tables, -(-plan.cubes // cc) * cc)
   full, per_call = _outputs(plan, (q.dtype, plan.d), (_F32, 1))
 
   def call(meta, nbr, nnb):
     return _call(_fwd_kernel, plan, (plan.heads, cc, plan.k_max + plan.summary_blocks),
-                 [sp.own, sp.key, sp.key, sp.key_bias, sp.summ, sp.summ, sp.rows, sp.cols],
+                 [sp.own, sp.key, sp.key, sp.key_bias, sp.summ, sp.summ, sp.rows, sp.cols,
+                  sp.offset],
                  [sp.out, sp.out_rows], per_call,
                  [pltpu.VMEM((plan.t, 1), _F32), pltpu.VMEM((plan.t, 1), _F32),
                   pltpu.VMEM((plan.t, plan.d), _F32)],
                  interpret, "pack3d_fwd", ("parallel", "parallel", "arbitrary"),
-                 (meta, nbr, nnb), q, k, v, tables.key_bias, kbar, vbar, tables.cube_rows, cols)
+                 (meta, nbr, nnb), q, k, v, tables.key_bias, kbar, vbar, tables.cube_rows, cols,
+                 offset, takes_offset=True)
 
   return _looped_calls(plan, tables, call, full)
 
 
-def backward(plan: TilePlan, _blocks, interpret, q, k, v, kbar, vbar, tables: Tables, do, lse, delta):
+def backward(plan: TilePlan, _blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables,
+             do, lse, delta):
+  """dq, dk, dv, dkbar, dvbar and, with a far offset, its per-summary parts [B, H, 1, Cs]."""
   sp, cc = _Specs(plan), plan.cubes_per_call
   cols = _padded_cols(plan, tables, -(-plan.cubes // cc) * cc)
   t, d = plan.t, plan.d
@@ -239,10 +265,11 @@ def backward(plan: TilePlan, _blocks, interpret, q, k, v, kbar, vbar, tables: Ta
   def dq_call(meta, nbr, nnb):
     return (_call(_dq_kernel, plan, (plan.heads, cc, plan.k_max + plan.summary_blocks),
                   [sp.own, sp.own, sp.own_rows, sp.own_rows, sp.key, sp.key, sp.key_bias,
-                   sp.summ, sp.summ, sp.rows, sp.cols],
+                   sp.summ, sp.summ, sp.rows, sp.cols, sp.offset],
                   sp.out, per_call[0], [pltpu.VMEM((t, d), _F32)], interpret, "pack3d_bwd_dq",
                   ("parallel", "parallel", "arbitrary"), (meta, nbr, nnb), q, do, lse, delta,
-                  k, v, tables.key_bias, kbar, vbar, tables.cube_rows, cols),)
+                  k, v, tables.key_bias, kbar, vbar, tables.cube_rows, cols, offset,
+                  takes_offset=True),)
 
   (dq,) = _looped_calls(plan, tables, dq_call, full)
 
@@ -264,16 +291,29 @@ def backward(plan: TilePlan, _blocks, interpret, q, k, v, kbar, vbar, tables: Ta
   summ = pl.BlockSpec((1, 1, s, d), lambda b, h, s, a: (b, h, s, 0))
   rows = pl.BlockSpec((1, 8, s), lambda b, h, s, a: (b, 0, s))
   cols_spec = pl.BlockSpec((1, 8, 8), lambda b, h, s, a: (b, _eighth(a), 0))
-  dkbar, dvbar = pl.pallas_call(
-      functools.partial(_dsummary_kernel, plan=plan),
+  in_specs = [query, query, query_rows, query_rows, summ, summ, rows, cols_spec]
+  args = [q, do, lse, delta, kbar, vbar, tables.cube_rows, _padded_cols(plan, tables, plan.cubes)]
+  out_specs, scratch = [summ, summ], [pltpu.VMEM((s, d), _F32)] * 2
+  out_shape = [jax.ShapeDtypeStruct(kbar.shape, kbar.dtype)] * 2
+  absent = ()
+  if plan.far_offset:  # beta_h in; per-summary sums of ds [1, S] out
+    in_specs.append(pl.BlockSpec((1, 1, 1), lambda b, h, s, a: (h, 0, 0)))
+    args.append(offset)
+    out_specs.append(pl.BlockSpec((1, 1, 1, s), lambda b, h, s, a: (b, h, 0, s)))
+    out_shape.append(jax.ShapeDtypeStruct((plan.batch, plan.heads, 1, plan.c_s), _F32))
+    scratch.append(pltpu.VMEM((1, s), _F32))
+  else:  # off_ref, doff_ref and doff_sc in the kernel's argument list
+    absent = (8, 11, 14)
+  summaries = pl.pallas_call(
+      tiles.absent_refs(functools.partial(_dsummary_kernel, plan=plan), absent),
       grid=(plan.batch, plan.heads, plan.summary_blocks, plan.cubes),
-      in_specs=[query, query, query_rows, query_rows, summ, summ, rows, cols_spec],
-      out_specs=[summ, summ],
-      out_shape=[jax.ShapeDtypeStruct(kbar.shape, kbar.dtype)] * 2,
-      scratch_shapes=[pltpu.VMEM((s, d), _F32)] * 2,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      scratch_shapes=scratch,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=interpret,
       name="pack3d_bwd_dsummary",
-  )(q, do, lse, delta, kbar, vbar, tables.cube_rows, _padded_cols(plan, tables, plan.cubes))
-  return dq, dk, dv, dkbar, dvbar
+  )(*args)
+  return dq, dk, dv, *summaries

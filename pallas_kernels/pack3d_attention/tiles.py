@@ -4,13 +4,14 @@ Per query cube (a tile of T slots) one online softmax over two key streams (MASK
 a finite -inf): the <= (2r+1)^3 neighbour cubes (exact tokens, empty slots masked), then
 blocks of S cube summaries whose bias is computed here from the cubes' keys::
 
-  s = q K^T / sqrt(D) + bias          bias: key slot mask, or log n_b on far cubes / MASK
+  s = q K^T / sqrt(D) + bias          bias: key slot mask, or log n_b (+ beta_h) on far
+                                      cubes / MASK
   m' = max(m, rowmax s) ; l = e^{m-m'} l + rowsum e^{s-m'} ; acc = e^{m-m'} acc + e^{s-m'} V
   o = acc / l ;  lse = m + log l
 
 Backward (FlashAttention-2 style, p = e^{s - lse}, delta = rowsum(do * o)):
   dq = sum (p (do V^T - delta)) K / sqrt(D) ;  dK = (p (do V^T - delta))^T q / sqrt(D) ;
-  dV = p^T do.
+  dV = p^T do ;  d beta_h = sum of ds = p (do V^T - delta) over the far summaries.
 
 Far cubes are never stored as a C x C table (C^2 floats: 256 MiB at 262k tokens): each
 program derives its row of far biases from the query cube's key (field, cz, cy, cx) and
@@ -76,6 +77,14 @@ def dkv_step(q, k, v, bias, do, lse, delta, scale):
   return dot_tn(ds.astype(q.dtype), q) * scale, dot_tn(p.astype(do.dtype), do)
 
 
+def dsummary_step(q, k, v, bias, do, lse, delta, scale):
+  """`dkv_step` for a block of summaries, and the column sums of ds [1, Tk] (float32): each
+  summary's share of d beta_h."""
+  p, ds = _probs_and_dscores(q, k, v, bias, do, lse, delta, scale)
+  return (dot_tn(ds.astype(q.dtype), q) * scale, dot_tn(p.astype(do.dtype), do),
+          jnp.sum(ds, axis=0, keepdims=True))
+
+
 # ----------------------------------------------------------------------------
 # Far biases from cube keys. cube_rows [8, S]: rows field, cz, cy, cx, count (float32);
 # a query cube's key comes from an [R, 8] block of the same table transposed.
@@ -99,15 +108,32 @@ def query_key(cols, r):
   return tuple(_col(row, j) for j in range(4))
 
 
-def far_bias(key, rows, radius: int, block_bias: bool):
-  """[1, S] float32: log n_b (or 0) for the far cubes of the query cube `key`, MASK else."""
+def far_bias(key, rows, radius: int, block_bias: bool, offset=None):
+  """[1, S] float32: log n_b (or 0), plus the head's far offset [1, 1] if given, for the far
+  cubes of the query cube `key`; MASK else."""
   field, z, y, x, count = (_row(rows, i) for i in range(5))
   gap = lambda a, b: jnp.maximum(a - b, b - a)  # |a - b| (Mosaic lowers abs through sign,
   distance = jnp.maximum(jnp.maximum(gap(z, key[1]), gap(y, key[2])), gap(x, key[3]))  # which
   # asks the TPU generation and so fails a lowering from CPU)
   far = (field == key[0]) & (distance > radius) & (count > 0.0)
   bias = jnp.log(jnp.maximum(count, 1.0)) if block_bias else jnp.zeros_like(count)
+  if offset is not None:
+    bias = bias + offset
   return jnp.where(far, bias, MASK)
+
+
+def absent_refs(kernel, positions):
+  """kernel(*refs) called with None at `positions` (ascending, in its full argument list):
+  for calls that leave out optional operands (the far offset and its gradient)."""
+  if not positions:
+    return kernel
+
+  def run(*refs):
+    refs = list(refs)
+    for i in positions:
+      refs.insert(i, None)
+    return kernel(*refs)
+  return run
 
 
 # ----------------------------------------------------------------------------
@@ -117,6 +143,8 @@ def far_bias(key, rows, radius: int, block_bias: bool):
 #   key_bias [B, C, 1, T] float32 (0 for a token, MASK for an empty slot)
 #   cube_rows [B, 8, Cs], cube_cols [B, C, 8] float32 (see `far_bias`)
 #   neighbours [B, C, K] int32, num_neighbours [B, C] int32 (see jaxops.pack3d.CubeLayout)
+#   offset [H, 1, 1] float32 (beta_h; only with a far offset), its gradient's per-summary
+#   parts d_offset [B, H, 1, Cs] float32 (summed outside)
 # ----------------------------------------------------------------------------
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -137,7 +165,8 @@ class Tables:
 class TilePlan:
   """Static sizes of one call: B, H, C cubes, T slots per cube, D (padded), K neighbours
   per cube, S summaries per step, Cs = C padded to S, the softmax scale, the far test's
-  radius and bias, (Mosaic) query cubes per call and (Triton) query rows per dK/dV step."""
+  radius and bias, (Mosaic) query cubes per call, (Triton) query rows per dK/dV step, and
+  whether the far logits carry a per-head offset (an operand, and a gradient output)."""
 
   batch: int
   heads: int
@@ -152,10 +181,11 @@ class TilePlan:
   block_bias: bool
   cubes_per_call: int
   dkv_rows: int
+  far_offset: bool = False
 
   @classmethod
   def make(cls, backend: Backend, blocks: BlockSizes, q, tables: Tables, *, radius: int,
-           block_bias: bool, compiled: bool) -> "TilePlan":
+           block_bias: bool, compiled: bool, far_offset: bool = False) -> "TilePlan":
     """compiled=False (interpret mode) lifts the compilers' minimum block_summaries (Mosaic:
     128 lanes; Triton: 16 for tl.dot), so small tests can walk several summary blocks."""
     batch, heads, _, d = q.shape
@@ -178,7 +208,7 @@ class TilePlan:
                          f"multiple of 128 (or hold every cube), got {s}")
       d_pad, per_call, rows = d, min(blocks.cubes_per_call, cubes), t
     return cls(batch, heads, cubes, t, d_pad, tables.neighbours.shape[2], s, round_up(cubes, s),
-               1.0 / math.sqrt(d), radius, block_bias, per_call, rows)
+               1.0 / math.sqrt(d), radius, block_bias, per_call, rows, far_offset)
 
   @property
   def summary_blocks(self) -> int:

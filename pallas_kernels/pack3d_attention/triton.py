@@ -1,7 +1,10 @@
 """Pack3D attention on GPU (Triton): one program per (b, h, cube); grid steps cannot carry
 state, so the two key streams are fori_loops inside, reading tiles from refs passed whole
 (k/v rows `pl.ds(pl.multiple_of(c * T, T), T)` of neighbour cube c). D is zero-padded to
-a power of two, as Triton blocks must be."""
+a power of two, as Triton blocks must be. With a far offset, the forward, dq and summary
+kernels read their head's beta ([1, 1, 1] block) and the summary kernel also writes
+per-summary sums of the far scores' gradient (d beta); without one (off_ref, doff_ref None)
+neither exists (`tiles.absent_refs`)."""
 
 from __future__ import annotations
 
@@ -28,21 +31,27 @@ def _neighbour_loop(nbr_ref, nnb_ref, body, init):
                            init)
 
 
-def _summary_loop(plan: TilePlan, cols_ref, rows_ref, body, init):
+def _offset(off_ref):
+  """The head's far offset [1, 1], or None."""
+  return None if off_ref is None else off_ref[0]
+
+
+def _summary_loop(plan: TilePlan, cols_ref, rows_ref, off_ref, body, init):
   """fori_loop over the summary blocks: body(cols, far bias [1, S], carry) -> carry."""
   key = tiles.query_key(cols_ref[0], 0)
   s = plan.s_block
 
   def step(i, carry):
     cols = _rows(i, s)
-    bias = tiles.far_bias(key, rows_ref[0, :, cols], plan.radius, plan.block_bias)
+    bias = tiles.far_bias(key, rows_ref[0, :, cols], plan.radius, plan.block_bias,
+                          _offset(off_ref))
     return body(cols, bias, carry)
 
   return jax.lax.fori_loop(0, plan.summary_blocks, step, init)
 
 
 def _fwd_kernel(nbr_ref, nnb_ref, q_ref, k_ref, v_ref, kb_ref, kbar_ref, vbar_ref, rows_ref,
-                cols_ref, o_ref, lse_ref, *, plan: TilePlan):
+                cols_ref, off_ref, o_ref, lse_ref, *, plan: TilePlan):
   q, t = q_ref[0, 0], plan.t
 
   def local(c, state):
@@ -54,13 +63,13 @@ def _fwd_kernel(nbr_ref, nnb_ref, q_ref, k_ref, v_ref, kb_ref, kbar_ref, vbar_re
                               plan.scale)
 
   state = _neighbour_loop(nbr_ref, nnb_ref, local, tiles.init_state(*q.shape))
-  o, lse = tiles.finish(*_summary_loop(plan, cols_ref, rows_ref, far, state))
+  o, lse = tiles.finish(*_summary_loop(plan, cols_ref, rows_ref, off_ref, far, state))
   o_ref[0, 0] = o.astype(o_ref.dtype)
   lse_ref[0, 0] = lse
 
 
 def _dq_kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kb_ref,
-               kbar_ref, vbar_ref, rows_ref, cols_ref, dq_ref, *, plan: TilePlan):
+               kbar_ref, vbar_ref, rows_ref, cols_ref, off_ref, dq_ref, *, plan: TilePlan):
   q, do, lse, delta, t = q_ref[0, 0], do_ref[0, 0], lse_ref[0, 0], delta_ref[0, 0], plan.t
 
   def local(c, dq):
@@ -72,7 +81,7 @@ def _dq_kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref
                               lse, delta, plan.scale)
 
   dq = _neighbour_loop(nbr_ref, nnb_ref, local, jnp.zeros(q.shape, _F32))
-  dq_ref[0, 0] = _summary_loop(plan, cols_ref, rows_ref, far, dq).astype(dq_ref.dtype)
+  dq_ref[0, 0] = _summary_loop(plan, cols_ref, rows_ref, off_ref, far, dq).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kb_ref,
@@ -95,29 +104,42 @@ def _dkv_kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_re
 
 
 def _dsummary_kernel(q_ref, do_ref, lse_ref, delta_ref, kbar_ref, vbar_ref, rows_ref, cols_ref,
-                     dkbar_ref, dvbar_ref, *, plan: TilePlan):
+                     off_ref, dkbar_ref, dvbar_ref, doff_ref, *, plan: TilePlan):
   kbar, vbar, t = kbar_ref[0, 0], vbar_ref[0, 0], plan.t
-  rows = rows_ref[0]
+  rows, offset = rows_ref[0], _offset(off_ref)
 
   def query_cube(a, carry):
     toks = _rows(a, t)
     key = tiles.query_key(cols_ref[0, pl.ds(a, 1), :], 0)
-    bias = tiles.far_bias(key, rows, plan.radius, plan.block_bias)
-    dk, dv = tiles.dkv_step(q_ref[0, 0, toks, :], kbar, vbar, bias, do_ref[0, 0, toks, :],
-                            lse_ref[0, 0, toks, :], delta_ref[0, 0, toks, :], plan.scale)
-    return carry[0] + dk, carry[1] + dv
+    bias = tiles.far_bias(key, rows, plan.radius, plan.block_bias, offset)
+    tile = (q_ref[0, 0, toks, :], kbar, vbar, bias, do_ref[0, 0, toks, :],
+            lse_ref[0, 0, toks, :], delta_ref[0, 0, toks, :], plan.scale)
+    if doff_ref is None:
+      dk, dv = tiles.dkv_step(*tile)
+      return carry[0] + dk, carry[1] + dv
+    dk, dv, ds_sum = tiles.dsummary_step(*tile)
+    return carry[0] + dk, carry[1] + dv, carry[2] + ds_sum
 
-  dk, dv = jax.lax.fori_loop(0, plan.cubes, query_cube, (jnp.zeros(kbar.shape, _F32),) * 2)
-  dkbar_ref[0, 0] = dk.astype(dkbar_ref.dtype)
-  dvbar_ref[0, 0] = dv.astype(dvbar_ref.dtype)
+  init = (jnp.zeros(kbar.shape, _F32),) * 2
+  if doff_ref is not None:
+    init += (jnp.zeros((1, kbar.shape[0]), _F32),)
+  sums = jax.lax.fori_loop(0, plan.cubes, query_cube, init)
+  dkbar_ref[0, 0] = sums[0].astype(dkbar_ref.dtype)
+  dvbar_ref[0, 0] = sums[1].astype(dvbar_ref.dtype)
+  if doff_ref is not None:
+    doff_ref[0, 0] = sums[2]
 
 
 def _call(kernel, plan: TilePlan, grid, in_specs, out_specs, out_shape, interpret, name,
-          warps_and_stages, *args):
+          warps_and_stages, *args, takes_offset=False, absent=()):
+  """takes_offset: the last of `args` is the far offset, left out (with its spec) when None;
+  absent: positions in the kernel's argument list that get None (`tiles.absent_refs`)."""
   num_warps, num_stages = warps_and_stages
+  if takes_offset and args[-1] is None:
+    args, in_specs, absent = args[:-1], in_specs[:-1], (len(args) - 1,)
   return pl.pallas_call(
-      functools.partial(kernel, plan=plan), grid=grid, in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, interpret=interpret, name=name,
+      tiles.absent_refs(functools.partial(kernel, plan=plan), absent), grid=grid,
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape, interpret=interpret, name=name,
       compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
   )(*args)
 
@@ -139,31 +161,34 @@ class _Specs:
     self.cols = pl.BlockSpec((1, 1, 8), lambda b, h, a: (b, a, 0))
     self.nbr = pl.BlockSpec((1, 1, k_max), lambda b, h, a: (b, a, 0))
     self.nnb = pl.BlockSpec((1, 1), lambda b, h, a: (b, a))
+    self.offset = pl.BlockSpec((1, 1, 1), lambda b, h, a: (h, 0, 0))
 
 
-def forward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, tables: Tables):
+def forward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables):
   sp = _Specs(plan)
   return _call(
       _fwd_kernel, plan, (plan.batch, plan.heads, plan.cubes),
       [sp.nbr, sp.nnb, sp.own, sp.whole, sp.whole, sp.key_bias_all, sp.summ, sp.summ, sp.rows,
-       sp.cols],
+       sp.cols, sp.offset],
       [sp.own, sp.own_rows], [jax.ShapeDtypeStruct(q.shape, q.dtype), plan.f32_rows()],
-      interpret, "pack3d_fwd", (blocks.num_warps, blocks.num_stages), tables.neighbours, tables.num_neighbours, q,
-      k, v, tables.key_bias, kbar, vbar, tables.cube_rows, tables.cube_cols)
+      interpret, "pack3d_fwd", (blocks.num_warps, blocks.num_stages), tables.neighbours,
+      tables.num_neighbours, q, k, v, tables.key_bias, kbar, vbar, tables.cube_rows,
+      tables.cube_cols, offset, takes_offset=True)
 
 
-def backward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, tables: Tables, do, lse,
-             delta):
+def backward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables,
+             do, lse, delta):
+  """dq, dk, dv, dkbar, dvbar and, with a far offset, its per-summary parts [B, H, 1, Cs]."""
   sp = _Specs(plan)
   grid = (plan.batch, plan.heads, plan.cubes)
   nbr = (tables.neighbours, tables.num_neighbours)
   dq = _call(
       _dq_kernel, plan, grid,
       [sp.nbr, sp.nnb, sp.own, sp.own, sp.own_rows, sp.own_rows, sp.whole, sp.whole,
-       sp.key_bias_all, sp.summ, sp.summ, sp.rows, sp.cols],
+       sp.key_bias_all, sp.summ, sp.summ, sp.rows, sp.cols, sp.offset],
       sp.own, jax.ShapeDtypeStruct(q.shape, q.dtype), interpret, "pack3d_bwd_dq",
-      (blocks.num_warps, blocks.num_stages), *nbr, q, do, lse, delta, k, v, tables.key_bias, kbar, vbar,
-      tables.cube_rows, tables.cube_cols)
+      (blocks.num_warps, blocks.num_stages), *nbr, q, do, lse, delta, k, v, tables.key_bias,
+      kbar, vbar, tables.cube_rows, tables.cube_cols, offset, takes_offset=True)
   dk, dv = _call(
       _dkv_kernel, plan, grid,
       [sp.nbr, sp.nnb, sp.whole, sp.whole, sp.whole_rows, sp.whole_rows, sp.own, sp.own,
@@ -178,9 +203,19 @@ def backward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, tables: Tab
   summ = pl.BlockSpec((1, 1, s, d), lambda b, h, i: (b, h, i, 0))
   rows = pl.BlockSpec((1, 8, s), lambda b, h, i: (b, 0, i))
   cols = pl.BlockSpec((1, plan.cubes, 8), lambda b, h, i: (b, 0, 0))
-  dkbar, dvbar = _call(
-      _dsummary_kernel, plan, (plan.batch, plan.heads, plan.summary_blocks),
-      [whole, whole, whole_rows, whole_rows, summ, summ, rows, cols], [summ, summ],
-      [jax.ShapeDtypeStruct(kbar.shape, kbar.dtype)] * 2, interpret, "pack3d_bwd_dsummary",
-      (blocks.num_warps_bwd, blocks.num_stages), q, do, lse, delta, kbar, vbar, tables.cube_rows, tables.cube_cols)
-  return dq, dk, dv, dkbar, dvbar
+  in_specs = [whole, whole, whole_rows, whole_rows, summ, summ, rows, cols]
+  args = [q, do, lse, delta, kbar, vbar, tables.cube_rows, tables.cube_cols]
+  out_specs, out_shape = [summ, summ], [jax.ShapeDtypeStruct(kbar.shape, kbar.dtype)] * 2
+  absent = ()
+  if plan.far_offset:  # beta_h in; per-summary sums of ds [1, S] out
+    in_specs.append(pl.BlockSpec((1, 1, 1), lambda b, h, i: (h, 0, 0)))
+    args.append(offset)
+    out_specs.append(pl.BlockSpec((1, 1, 1, s), lambda b, h, i: (b, h, 0, i)))
+    out_shape.append(jax.ShapeDtypeStruct((plan.batch, plan.heads, 1, plan.c_s), _F32))
+  else:  # off_ref and doff_ref in the kernel's argument list
+    absent = (8, 11)
+  summaries = _call(
+      _dsummary_kernel, plan, (plan.batch, plan.heads, plan.summary_blocks), in_specs,
+      out_specs, out_shape, interpret, "pack3d_bwd_dsummary",
+      (blocks.num_warps_bwd, blocks.num_stages), *args, absent=absent)
+  return dq, dk, dv, *summaries
