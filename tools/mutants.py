@@ -37,6 +37,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 LF = "tests/test_layer_formulas.py"
 TS = "tests/test_trainer_semantics.py"
+PI = "tests/test_independent.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,6 +339,64 @@ MUTANTS = [
     m("pack3d_triton_dkv_row_block_offset_dropped", "pallas_kernels/pack3d_attention/triton.py",
       "* parts + jax.lax.rem(j, parts), r)", "* parts, r)",
       "tests/test_pack3d.py::test_matches_reference_forward_and_gradients"),
+    # ------------------------------------------------------------------ Pack3D far offset
+    m("pack3d_reference_far_offset_dropped", "jaxops/pack3d.py",
+      "s_far = s_far + jnp.asarray(far_offset, _F32)[None, :, None, None]", "s_far = s_far",
+      f"{PI}::test_pack3d_far_offset_forward_and_grads[reference-default]"),
+    m("pack3d_xla_far_offset_dropped", "jaxops/pack3d.py",
+      "s_far = s_far + far_offset[None, :, None, None]", "s_far = s_far",
+      f"{PI}::test_pack3d_far_offset_forward_and_grads[xla-default]"),
+    m("pack3d_mosaic_fwd_far_offset_dropped", "pallas_kernels/pack3d_attention/mosaic.py",
+      "cols_ref, off_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, plan: TilePlan):\n"
+      "  a, j = pl.program_id(1), pl.program_id(2)",
+      "cols_ref, off_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, plan: TilePlan):\n"
+      "  a, j, off_ref = pl.program_id(1), pl.program_id(2), None",
+      f"{PI}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
+    m("pack3d_mosaic_dq_far_offset_dropped", "pallas_kernels/pack3d_attention/mosaic.py",
+      "plan: TilePlan):\n  a, j = pl.program_id(1), pl.program_id(2)\n\n"
+      "  @pl.when(j == 0)\n  def _():\n    dq_sc",
+      "plan: TilePlan):\n  a, j, off_ref = pl.program_id(1), pl.program_id(2), None\n\n"
+      "  @pl.when(j == 0)\n  def _():\n    dq_sc",
+      f"{PI}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
+    m("pack3d_mosaic_summary_grads_without_offset", "pallas_kernels/pack3d_attention/mosaic.py",
+      "_far(plan, cols_ref, rows_ref, a, off_ref)", "_far(plan, cols_ref, rows_ref, a, None)",
+      f"{PI}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
+    m("pack3d_mosaic_d_far_offset_dropped", "pallas_kernels/pack3d_attention/mosaic.py",
+      "doff_sc[...] += ds_sum", "doff_sc[...] += 0.0 * ds_sum",
+      f"{PI}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
+    m("pack3d_mosaic_d_far_offset_not_reset", "pallas_kernels/pack3d_attention/mosaic.py",
+      "      doff_sc[...] = jnp.zeros_like(doff_sc)\n", "      pass\n",
+      "tests/test_pack3d.py::test_no_races_and_no_uninitialized_reads[far_offset]"),
+    m("pack3d_kernel_d_far_offset_sign", "pallas_kernels/pack3d_attention/__init__.py",
+      "else jnp.sum(grads[5], axis=(0, 3))", "else -jnp.sum(grads[5], axis=(0, 3))",
+      f"{PI}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
+    m("pack3d_triton_fwd_far_offset_dropped", "pallas_kernels/pack3d_attention/triton.py",
+      "tiles.finish(*_summary_loop(plan, cols_ref, rows_ref, off_ref, far, state))",
+      "tiles.finish(*_summary_loop(plan, cols_ref, rows_ref, None, far, state))",
+      f"{PI}::test_pack3d_far_offset_forward_and_grads[triton-default]"),
+    m("pack3d_triton_dq_far_offset_dropped", "pallas_kernels/pack3d_attention/triton.py",
+      "_summary_loop(plan, cols_ref, rows_ref, off_ref, far, dq)",
+      "_summary_loop(plan, cols_ref, rows_ref, None, far, dq)",
+      f"{PI}::test_pack3d_far_offset_forward_and_grads[triton-default]"),
+    m("pack3d_triton_d_far_offset_dropped", "pallas_kernels/pack3d_attention/triton.py",
+      "carry[2] + ds_sum", "carry[2]",
+      f"{PI}::test_pack3d_far_offset_forward_and_grads[triton-default]"),
+    m("pack3d_layer_far_offset_not_passed", "models/pack3d.py",
+      "kwargs = dict(self.op_kwargs, far_offset=None if self.far_offset is None\n"
+      "                  else self.far_offset[...].astype(jnp.float32))",
+      "kwargs = dict(self.op_kwargs, far_offset=None)",
+      "tests/test_pack3d_layer.py::test_far_offset_impls_agree_forward_and_gradients"),
+    m("pack3d_layer_far_offset_starts_at_1", "models/pack3d.py",
+      'param(jnp.zeros((num_heads,), param_dtype), "heads")',
+      'param(jnp.ones((num_heads,), param_dtype), "heads")',
+      "tests/test_pack3d_layer.py::test_far_offset_parameter"),
+    m("pack3d_layer_far_offset_not_over_heads", "models/pack3d.py",
+      'param(jnp.zeros((num_heads,), param_dtype), "heads")',
+      "param(jnp.zeros((num_heads,), param_dtype), None)",
+      "tests/test_pack3d_layer.py::test_far_offset_splits_over_heads_under_shard_layer"),
+    m("pack3d_default_far_offset_on", "models/pack3d.py",
+      "far_offset: bool = False", "far_offset: bool = True",
+      "tests/test_pack3d_layer.py::test_far_offset_parameter"),
 ]
 
 
