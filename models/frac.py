@@ -30,6 +30,15 @@ ALPHA_INIT_SPAN = 0.15
 ALPHA_MIN = 0.05
 
 
+# init="mamba_ssm" (the one-mode layer as mamba_ssm's Mamba2 initialises it): A_h ~ U[A_RANGE],
+# stored as log A_h; dt_h = exp(U[log DT_RANGE[0], log DT_RANGE[1]]), at least DT_FLOOR, stored
+# as its inverse softplus in dt_bias.
+MAMBA_SSM_A_RANGE = (1.0, 16.0)
+MAMBA_SSM_DT_RANGE = (1e-3, 1e-1)
+MAMBA_SSM_DT_FLOOR = 1e-4
+INITS = ("default", "mamba_ssm")
+
+
 def _inverse_softplus(y):
   return y + jnp.log(-jnp.expm1(-y))
 
@@ -55,9 +64,20 @@ class FRACMixer(nnx.Module):
   this spread is the design's [0.2, 0.9]); or `alpha_init`, clipped to sigmoids in
   [1e-3, 1 - 1e-3]. The modes' rates cover warped times up to 4 * `context`.
 
-  `mamba2=True` is the in-house baseline: one mode of weight 1 and rate
-  A_h = exp(log_timescale_h), i.e. Mamba-2's exponential decay exp(-A_h dt_t); its A_h
-  start log-spaced over [1/context, 1] across heads. No alpha parameters then.
+  `mamba2=True` is the one-mode exponential layer: one mode of weight 1 and rate
+  A_h = exp(log_timescale_h), i.e. Mamba-2's exponential decay exp(-A_h dt_t). No alpha
+  parameters then. Its initialisation (`init`):
+  - "default": A_h log-spaced over [1/context, 1] across heads (the slowest head's timescale
+    is the context, at dt ~ 1), dt as for FRAC;
+  - "mamba_ssm": Mamba-2's own (state-spaces/mamba, mamba_ssm/modules/mamba2.py defaults):
+    A_h ~ U[1, 16] independently per head (log_timescale = log A_h), and
+    dt_h = max(exp(U[log 1e-3, log 1e-1]), 1e-4) through the inverse softplus into dt_bias,
+    so each head starts with timescale 1 / (A_h dt_h) between ~0.6 and ~1000 steps.
+
+  `selective_dt=False` makes dt a learned per-head constant, dt_h = softplus(dt_bias_h), the
+  same at every token (no dt_proj): the memory clock then runs at a fixed rate whatever the
+  input, so the layer's memory is its kernel alone (a selective layer can stop its clock on
+  inputs it need not keep). Either layer, FRAC or one-mode.
 
   Decoding: `init_cache(batch)` and `step(x_t, cache)`; the cache holds the conv window
   and the M * N * P numbers per head of the state, whatever the context length.
@@ -72,6 +92,8 @@ class FRACMixer(nnx.Module):
       (sequential scan); see `models.impl`.
     interpret: passed to the Pallas kernel (None: interpret on CPU only).
     learn_timescale: whether log_timescale (init 0 for FRAC) is trained.
+    init: "default" or "mamba_ssm" (mamba2=True only); see above.
+    selective_dt: False: dt_h = softplus(dt_bias_h), not a function of the input.
     chunk: scan chunk for "pallas"/"xla" (None: the op's default).
     dtype: compute dtype of projections and scan inputs; None uses the input's dtype.
   """
@@ -81,6 +103,7 @@ class FRACMixer(nnx.Module):
                num_modes: int | None = None, context: int = 2048, alpha_min: float = ALPHA_MIN,
                alpha_init=None, conv_width: int = 4, impl: Impl = "auto", interpret=None,
                mamba2: bool = False, learn_timescale: bool = True, chunk: int | None = None,
+               init: str = "default", selective_dt: bool = True,
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     checks.ints("FRACMixer", dict(d_model=d_model, num_heads=num_heads))
     head_dim = head_dim or max(1, d_model // num_heads)
@@ -94,10 +117,15 @@ class FRACMixer(nnx.Module):
       raise ValueError(f"FRACMixer: mamba2=True uses one mode; got num_modes={num_modes}")
     if mamba2 and alpha_init is not None:
       raise ValueError("FRACMixer: mamba2=True has no alpha; do not pass `alpha_init`")
+    checks.one_of("FRACMixer", "init", init, INITS)
+    if init == "mamba_ssm" and not mamba2:
+      raise ValueError("FRACMixer: init='mamba_ssm' initialises the one-mode layer's A_h; it "
+                       "needs mamba2=True")
     self.num_heads, self.head_dim, self.state_dim = num_heads, head_dim, state_dim
     self.context, self.alpha_min, self.chunk = context, alpha_min, chunk
     self.impl, self.interpret = resolve_impl("FRACMixer", impl), interpret
     self.mamba2, self.learn_timescale, self.dtype = mamba2, learn_timescale, dtype
+    self.init, self.selective_dt = init, selective_dt
     self.num_modes = 1 if mamba2 else (num_modes or frac_ops.default_num_modes(context))
     d_inner = num_heads * head_dim
     lecun = jax.nn.initializers.lecun_normal()
@@ -110,7 +138,7 @@ class FRACMixer(nnx.Module):
     zx, bc, dt_w = jnp.split(fused, [2 * d_inner, 2 * d_inner + 2 * state_dim], axis=1)
     self.in_proj = param(zx.reshape(d_model, 2, d_inner), "embed", None, "heads")
     self.bc_proj = param(bc, "embed", "mlp")
-    self.dt_proj = param(dt_w, "embed", "heads")
+    self.dt_proj = param(dt_w, "embed", "heads") if selective_dt else None
     conv = jax.random.uniform(rngs.params(), (conv_width, d_inner + 2 * state_dim),
                               param_dtype, -1.0, 1.0) / math.sqrt(conv_width)
     self.conv_weight = param(conv[:, :d_inner], None, "head_channels")
@@ -119,9 +147,16 @@ class FRACMixer(nnx.Module):
     self.bc_conv_bias = param(jnp.zeros((2 * state_dim,), param_dtype), "channels")
     dt = jnp.exp(jax.random.uniform(rngs.params(), (num_heads,), _F32, math.log(0.5),
                                     math.log(2.0)))
+    if init == "mamba_ssm":
+      dt_key, a_key = jax.random.split(rngs.params())
+      lo, hi = MAMBA_SSM_DT_RANGE
+      dt = jnp.maximum(jnp.exp(jax.random.uniform(dt_key, (num_heads,), _F32, math.log(lo),
+                                                  math.log(hi))), MAMBA_SSM_DT_FLOOR)
+      log_a = jnp.log(jax.random.uniform(a_key, (num_heads,), _F32, *MAMBA_SSM_A_RANGE))
+    else:
+      log_a = jnp.linspace(0.0, -math.log(context), num_heads)
     self.dt_bias = param(_inverse_softplus(dt).astype(param_dtype), "heads")
     if mamba2:
-      log_a = jnp.linspace(0.0, -math.log(context), num_heads)
       self.log_timescale = param(log_a.astype(param_dtype), "heads")
       self.alpha_logit = None
     else:
@@ -172,8 +207,11 @@ class FRACMixer(nnx.Module):
     dtype = self.dtype or x.dtype
     x = x.astype(dtype)
     zx = jnp.einsum("...d,dkc->...kc", x, self.in_proj[...].astype(dtype))
-    return (zx[..., 0, :], zx[..., 1, :], x @ self.bc_proj[...].astype(dtype),
-            x @ self.dt_proj[...].astype(dtype))
+    if self.dt_proj is None:                     # selective_dt=False: dt = softplus(dt_bias)
+      dt_raw = jnp.zeros(x.shape[:-1] + self.dt_bias.shape, dtype)
+    else:
+      dt_raw = x @ self.dt_proj[...].astype(dtype)
+    return zx[..., 0, :], zx[..., 1, :], x @ self.bc_proj[...].astype(dtype), dt_raw
 
   @staticmethod
   def _conv(window, weight, bias):

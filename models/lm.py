@@ -3,7 +3,7 @@
 tokens [B, L] int -> embedding [B, L, d] -> N blocks -> RMSNorm -> head -> logits [B, L, V] (f32).
 Block (pre-norm, models.block):  x = x + mixer(RMSNorm(x));  x = x + ffn(RMSNorm(x)).
   mixer: "attention" (causal MHA + 1D RoPE, KV cache), "frac" (FRAC, bounded state),
-         "mamba2" (FRAC with alpha = 1 and one mode: the Mamba-2 baseline).
+         "mamba2" (the one-mode exponential layer, FRACMixer(mamba2=True): Mamba-2's decay).
   ffn:   "swiglu" or "flashffn".
 `generate` decodes token by token with `init_cache` / `step` (KV cache or recurrent state); its
 greedy output equals the argmax of the full forward at each position.

@@ -35,17 +35,20 @@ def test_impls_match_reference(impl):
   kernel_checks.assert_close(_outputs(impl), _outputs("reference"), rtol=1e-5, name=impl)
 
 
-@pytest.mark.parametrize("mamba2", [False, True], ids=["frac", "mamba2"])
-def test_decoding_equals_full_sequence(mamba2):
-  config = dict(CONFIG, num_modes=None) if mamba2 else CONFIG
-  layer = FRACMixer(D_MODEL, impl="xla", mamba2=mamba2, rngs=nnx.Rngs(0), **config)
+@pytest.mark.parametrize("options", [{}, dict(mamba2=True, num_modes=None),
+                                     dict(selective_dt=False),
+                                     dict(mamba2=True, num_modes=None, init="mamba_ssm")],
+                         ids=["frac", "one_mode", "frac_fixed_dt", "mamba_ssm_init"])
+def test_decoding_equals_full_sequence(options):
+  layer = FRACMixer(D_MODEL, impl="xla", rngs=nnx.Rngs(0), **{**CONFIG, **options})
   cache = layer.init_cache(2)
   step = nnx.jit(lambda layer, x_t, cache: layer.step(x_t, cache))
   ys = []
   for t in range(L):
     y_t, cache = step(layer, _x()[:, t], cache)
     ys.append(y_t)
-  kernel_checks.assert_close(jnp.stack(ys, axis=1), _outputs("xla", mamba2), rtol=1e-5)
+  full = jax.jit(lambda x: layer(x))(_x())
+  kernel_checks.assert_close(jnp.stack(ys, axis=1), full, rtol=1e-5)
   chex.assert_trees_all_equal_shapes_and_dtypes(cache, layer.init_cache(2))
 
 
@@ -111,6 +114,8 @@ def test_bf16_runs_and_keeps_dtype():
     (dict(alpha_min=1.0), "alpha_min"),
     (dict(alpha_init=0.01), "alpha_init"),
     (dict(mamba2=True), "num_modes"),
+    (dict(init="mamba_ssm"), "mamba2=True"),
+    (dict(init="mamba"), "init"),
     (dict(conv_width=0), "conv_width"),
 ])
 def test_bad_config(kwargs, match):

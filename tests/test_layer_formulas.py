@@ -312,16 +312,18 @@ def soe_modes_numpy(alpha, context):
   return rates, weights
 
 
-def frac_mixer_numpy(layer, x, num_heads, head_dim, state_dim, context, alpha_min=0.05):
+def frac_mixer_numpy(layer, x, num_heads, head_dim, state_dim, context, alpha_min=0.05,
+                     selective_dt=True):
   """FRACMixer's docstring, defaults (conv width 4, alpha_min 0.05), Mamba-2 style layout:
   in_proj [d, 2, d_in] gives z and x, bc_proj [d, 2N] B and C, dt_proj [d, H] dt; the causal
-  conv runs over x (conv_weight) and B, C (bc_conv_weight)."""
+  conv runs over x (conv_weight) and B, C (bc_conv_weight). selective_dt=False: no dt_proj,
+  dt_h = softplus(dt_bias_h) at every token."""
   bsz, length, _ = x.shape
   heads, d_in, n = num_heads, num_heads * head_dim, state_dim
   zx = np.einsum("bld,dkc->blkc", x, P(layer.in_proj))
   z = zx[..., 0, :]
   xbc = np.concatenate([zx[..., 1, :], x @ P(layer.bc_proj)], -1)
-  dt_raw = x @ P(layer.dt_proj)
+  dt_raw = x @ P(layer.dt_proj) if selective_dt else np.zeros((bsz, length, heads))
   w = np.concatenate([P(layer.conv_weight), P(layer.bc_conv_weight)], 1)  # [width, channels]
   padded = np.concatenate([np.zeros((bsz, w.shape[0] - 1, xbc.shape[-1])), xbc], 1)
   conv = sum(padded[:, j:j + length] * w[j] for j in range(w.shape[0]))
@@ -357,6 +359,21 @@ def test_frac_mixer_formula_with_defaults():
   x = normal(1, (2, 37, 16))
   got = nnx.jit(lambda m, x: m(x))(layer, jnp.asarray(x, jnp.float32))
   close(got, frac_mixer_numpy(layer, x, **FRAC), rtol=5e-5)
+
+
+def test_frac_mixer_without_selective_dt():
+  """selective_dt=False: the layer has no dt_proj and dt_h = softplus(dt_bias_h) at every
+  token; everything else is the default formula."""
+  layer = build(FRACMixer, 16, selective_dt=False, **FRAC)
+  assert layer.dt_proj is None
+  for i, name in enumerate(("skip", "norm_gain", "log_timescale", "dt_bias")):
+    randomize(getattr(layer, name), 30 + i)
+  layer.alpha_logit[...] = jnp.array([-1.5, 0.3, 2.0])
+  x = normal(2, (2, 29, 16))
+  got = nnx.jit(lambda m, x: m(x))(layer, jnp.asarray(x, jnp.float32))
+  close(got, frac_mixer_numpy(layer, x, **FRAC, selective_dt=False), rtol=5e-5)
+  count = lambda m: sum(v.size for v in jax.tree.leaves(nnx.state(m, nnx.Param)))
+  assert count(build(FRACMixer, 16, **FRAC)) - count(layer) == 16 * FRAC["num_heads"]
 
 
 def test_frac_mixer_init():
@@ -399,6 +416,30 @@ def test_mamba2_init_timescales():
   rates, weights = layer.modes()
   np.testing.assert_allclose(rates[:, 0], np.geomspace(1.0, 1.0 / 64, 4), rtol=1e-5)
   np.testing.assert_array_equal(weights, np.ones((4, 1)))
+
+
+def test_mamba_ssm_init():
+  """mamba2=True, init="mamba_ssm" (mamba_ssm's Mamba2 defaults): A_h ~ U[1, 16] per head,
+  stored as log_timescale = log A_h, the mode's rate; dt_h = exp(U[log 1e-3, log 1e-1])
+  (floor 1e-4) as dt_bias = softplus^-1(dt_h). Statistics over 512 heads."""
+  heads = 512
+  layer = build(FRACMixer, 16, mamba2=True, init="mamba_ssm", num_heads=heads, head_dim=1,
+                state_dim=4, context=64)
+  a = np.exp(P(layer.log_timescale))
+  assert np.all((a >= 1.0 - 1e-5) & (a <= 16.0 + 1e-4)), (a.min(), a.max())
+  assert abs(a.mean() - 8.5) < 0.6 and abs(a.std() - 15 / math.sqrt(12)) < 0.4, (a.mean(), a.std())
+  rates, weights = layer.modes()
+  np.testing.assert_allclose(rates[:, 0], a, rtol=1e-5)
+  np.testing.assert_array_equal(weights, np.ones((heads, 1)))
+  dt = softplus(P(layer.dt_bias))
+  log_dt = np.log(dt)
+  assert np.all((dt >= 1e-3 * (1 - 1e-3)) & (dt <= 0.1 * (1 + 1e-3))), (dt.min(), dt.max())
+  lo, hi = math.log(1e-3), math.log(0.1)                    # log dt uniform on [lo, hi]
+  assert abs(log_dt.mean() - (lo + hi) / 2) < 0.25, log_dt.mean()
+  assert abs(log_dt.std() - (hi - lo) / math.sqrt(12)) < 0.12, log_dt.std()
+  default = build(FRACMixer, 16, mamba2=True, num_heads=4, head_dim=4, state_dim=4, context=64)
+  np.testing.assert_allclose(np.exp(P(default.log_timescale)), np.geomspace(1, 1 / 64, 4),
+                             rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- Block, models
