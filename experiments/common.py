@@ -166,6 +166,18 @@ def paired_interval(diffs) -> dict:
           "high": float(d.mean() + half), "n": int(d.size)}
 
 
+def fit(config, workdir, task, key: str):
+  """trainer.fit(config, workdir, task); a run stopped by SIGTERM/SIGINT (its checkpoint saved)
+  ends the runner with exit status 1 instead of being recorded as finished: rerunning the same
+  command resumes it."""
+  from train import trainer  # noqa: PLC0415
+  result = trainer.fit(config, workdir, task)
+  if result.stopped:
+    log(f"{key}: stopped by {result.stopped} at a checkpoint; not recorded (rerun to resume)")
+    raise SystemExit(1)
+  return result
+
+
 def log(*args) -> None:
   print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
 

@@ -32,7 +32,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from experiments import common
-from train import lm_task, optim, trainer
+from train import lm_task, optim
 from train.data import text
 from train.metrics import read_metrics
 
@@ -152,7 +152,7 @@ def _train_one(base, results, runs_dir, counts, val_bytes, arm: str, lr: float, 
   common.log(f"{key}: {n:,} parameters ({n / counts[base.experiment.reference_arm] - 1:+.2%}"
              f" vs {base.experiment.reference_arm}); workdir {workdir}")
   load0, t0 = common.machine_load(), time.perf_counter()
-  fit = trainer.fit(config, workdir, task)
+  fit = common.fit(config, workdir, task, key)
   wall = time.perf_counter() - t0
   t1 = time.perf_counter()
   val = whole_split_loss(fit.model, val_bytes, config.model.context,

@@ -139,7 +139,7 @@ def _train_one(base, results, runs_dir, arm: str, lr: float, seed: int) -> None:
       tokens_per_batch=config.batch_size * config.data.num_tokens)
   workdir = runs_dir / common.experiment_name(base, NAME) / label / f"seed{seed}"
   load0, t0 = common.machine_load(), time.perf_counter()
-  fit = trainer.fit(config, workdir, task)
+  fit = common.fit(config, workdir, task, key)
   wall = time.perf_counter() - t0
   t1 = time.perf_counter()
   ev = evaluate(fit.model, config, seed)

@@ -22,7 +22,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import common
-from train import seg3d_task, trainer
+from train import seg3d_task
 from train.metrics import read_metrics
 
 NAME = "seg3d_cpu"
@@ -56,7 +56,7 @@ def train_stage(base, arms, seeds, results, runs_dir) -> None:
                  f"model {config.model.to_dict()}")
       workdir = runs_dir / NAME / arm / f"seed{seed}"
       load0, t0 = common.machine_load(), time.perf_counter()
-      fit = trainer.fit(config, workdir, task)
+      fit = common.fit(config, workdir, task, key)
       wall = time.perf_counter() - t0
       curve = dice_curve(workdir)
       row = {"arm": arm, "seed": seed, "params": n, "model": type(task.model).__name__,

@@ -194,6 +194,18 @@ def test_sweep_then_seeds_runs_each_arm_at_its_best_lr(tmp_path):
                           "a", 1.0) == "a"             # one lr: the plain arm name
 
 
+def test_a_stopped_run_ends_the_runner_unrecorded(monkeypatch):
+  """SIGTERM stops fit at a checkpoint: the runner must exit, not record (and evaluate) the
+  partly trained model as a finished run and go on to the next one."""
+  import types  # noqa: PLC0415
+  from train import trainer  # noqa: PLC0415
+  monkeypatch.setattr(trainer, "fit", lambda *a: types.SimpleNamespace(stopped="SIGTERM"))
+  with pytest.raises(SystemExit):
+    common.fit(None, None, None, "arm/seed0")
+  monkeypatch.setattr(trainer, "fit", lambda *a: types.SimpleNamespace(stopped=None))
+  assert common.fit(None, None, None, "arm/seed0").stopped is None
+
+
 def test_paired_interval_is_the_t_interval():
   ci = common.paired_interval([0.1, 0.2, 0.3])
   half = 4.303 * 0.1 / math.sqrt(3)
