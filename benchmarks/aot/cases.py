@@ -11,6 +11,9 @@ dtype. Shapes are the paper's and the configs' (the ones a user runs):
              262k   one 64^3 grid per entry, B=4 N=262144 H=2 D=48, traced coords (the
                     neighbour table, 1.7 MiB, must not have to fit TPU SMEM whole)
              seg3d  configs/seg3d_cells.py: B=8 N=3072 H=4 D=24, traced coords
+             65k_far_offset, seg3d_far_offset  the same with a learnable far offset [H]
+                    (one more operand in the kernels, one more output in the backward);
+                    grad only (its forward kernel is part of it)
   frac_scan  16k    B=1 L=16384 H=4 P=64 N=16 M=16
              lm     configs/lm_default.py: B=8 L=128 H=4 P=32 N=16 M=default(128)=12
 
@@ -49,7 +52,9 @@ SHAPES = {
                   "seg3d": dict(b=8, l=3072, h=4, d=24, e=2, f=64)},
     "pack3d": {"65k": dict(b=2, grid=(64, 32, 32), h=2, d=48),
                "262k": dict(b=4, grid=(64, 64, 64), h=2, d=48),
-               "seg3d": dict(b=8, grid=(12, 16, 16), h=4, d=24)},
+               "seg3d": dict(b=8, grid=(12, 16, 16), h=4, d=24),
+               "65k_far_offset": dict(b=2, grid=(64, 32, 32), h=2, d=48, far_offset=True),
+               "seg3d_far_offset": dict(b=8, grid=(12, 16, 16), h=4, d=24, far_offset=True)},
     "frac_scan": {"16k": dict(b=1, l=16384, h=4, p=64, n=16, m=16),
                   "lm": dict(b=8, l=128, h=4, p=32, n=16, m=12)},
 }
@@ -72,10 +77,12 @@ def parse(name: str) -> Case:
 
 
 def all_cases(kind: str, ops=None) -> list[Case]:
-  """Every shape x direction x dtype of the given ops, plus the target kind's oversized case."""
+  """Every shape x direction x dtype of the given ops (far-offset shapes: grad only), plus the
+  target kind's oversized case."""
   cases = [Case(op, shape, direction, dtype)
            for op, shapes in SHAPES.items() if ops is None or op in ops
-           for shape in shapes for direction in ("fwd", "grad")
+           for shape, sizes in shapes.items()
+           for direction in (("grad",) if sizes.get("far_offset") else ("fwd", "grad"))
            for dtype in ("float32", "bfloat16")]
   return cases + [OVERSIZED[kind]]
 
@@ -103,11 +110,15 @@ def build(case: Case, kind: str):
     from pallas_kernels.pack3d_attention import pack3d_attention
     n = math.prod(s["grid"])
     x = ((s["b"], n, s["h"], s["d"]), dtype)
-    specs = [x, x, x, ((s["b"], n, 3), jnp.int32), ((s["b"], n), jnp.int32)]
+    offset = [((s["h"],), jnp.float32)] if s.get("far_offset") else []
+    specs = [x, x, x, *offset, ((s["b"], n, 3), jnp.int32), ((s["b"], n), jnp.int32)]
     cubes = math.prod(-(-g // 4) for g in s["grid"])
-    op = lambda q, k, v, coords, ids: pack3d_attention(q, k, v, coords, ids, max_cubes=cubes,
-                                                       **blocks)
-    num_diff = 3
+    num_diff = 3 + len(offset)
+
+    def op(*args):
+      q, k, v, *beta = args[:num_diff]
+      return pack3d_attention(q, k, v, *args[num_diff:], max_cubes=cubes,
+                              far_offset=beta[0] if beta else None, **blocks)
   else:
     from pallas_kernels.frac_scan import frac_scan
     tok = (s["b"], s["l"], s["h"])
