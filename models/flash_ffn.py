@@ -10,9 +10,9 @@ from flax import nnx
 from jaxops import checks
 from jaxops import flash_ffn as ffn_ops
 from jaxops.rms_norm import rms_normalize_groups
+from models import impl as impl_table
 from models.impl import Impl, resolve_impl
 from models.partitioning import param, scale
-from pallas_kernels import flash_ffn as ffn_kernel
 
 
 # The paper's head width (FlashMHF configs: d_h = 128 at every size).
@@ -141,24 +141,26 @@ class FlashFFN(nnx.Module):
     init: "scaled" (default) or "paper".
     impl: "auto" (default), "pallas" (fused kernel), "xla" (chunked XLA path) or
       "reference"; see `models.impl`.
-    chunk: tokens per chunk of the "xla" path.
+    chunk: tokens per chunk of the "xla" path (None: `models.impl.CHUNKS`, 512).
     interpret: passed to the Pallas kernel (None: interpret on CPU only).
     dtype: compute dtype (params are cast to it); None uses the input's dtype.
   """
 
   def __init__(self, d_model: int, num_heads: int | None = None, num_experts: int | None = None,
                d_expert: int | None = None, *, d_ff: int | None = None, head_norm: bool = True,
-               init: str = "scaled", impl: Impl = "auto", chunk: int = 512, interpret=None,
+               init: str = "scaled", impl: Impl = "auto", chunk: int | None = None, interpret=None,
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    checks.ints("FlashFFN", dict(d_model=d_model, chunk=chunk,
+    checks.ints("FlashFFN", dict(d_model=d_model,
                                  **checks.given(num_heads=num_heads, num_experts=num_experts,
-                                                d_expert=d_expert, d_ff=d_ff)))
+                                                d_expert=d_expert, d_ff=d_ff, chunk=chunk)))
     checks.one_of("FlashFFN", "init", init, INITS)
-    num_heads = num_heads or d_model // default_head_dim(d_model)
+    if num_heads is None:
+      num_heads = d_model // default_head_dim(d_model)
     if num_experts is None or d_expert is None:
-      shape = flashffn_shape(d_model, 3 * d_model * (d_ff or swiglu_width(d_model)),
-                             head_norm=head_norm)
-      num_experts, d_expert = num_experts or shape["num_experts"], d_expert or shape["d_expert"]
+      swiglu_params = 3 * d_model * (swiglu_width(d_model) if d_ff is None else d_ff)
+      shape = flashffn_shape(d_model, swiglu_params, head_norm=head_norm)
+      num_experts = shape["num_experts"] if num_experts is None else num_experts
+      d_expert = shape["d_expert"] if d_expert is None else d_expert
     checks.multiple("FlashFFN", "`d_model`", d_model, num_heads, "`num_heads`")
     d_h = d_model // num_heads
     checks.multiple("FlashFFN", "the head width d_model / num_heads", d_h, 8)
@@ -208,12 +210,8 @@ class FlashFFN(nnx.Module):
     router, k, u, v = self._folded(dtype)
     q, r = heads_and_router(x, self.w_in[...], router, normalize=self.norm_gain is not None,
                             dtype=dtype)
-    if self.impl == "pallas":
-      o = ffn_kernel.mhffn(q, r, k, u, v, interpret=self.interpret)
-    elif self.impl == "xla":
-      o = ffn_ops.mhffn(q, r, k, u, v, chunk=self.chunk)
-    else:
-      o = ffn_ops.mhffn_reference(q, r, k, u, v)
+    o = impl_table.call("flash_ffn", self.impl, q, r, k, u, v, chunk=self.chunk,
+                        interpret=self.interpret)
     return o.reshape(x.shape[:-1] + (-1,)) @ self.w_out[...].astype(dtype)
 
 
@@ -226,7 +224,7 @@ class SwiGLU(nnx.Module):
 
   def __init__(self, d_model: int, d_ff: int | None = None, *, dtype=None,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
-    d_ff = d_ff or swiglu_width(d_model)
+    d_ff = swiglu_width(d_model) if d_ff is None else d_ff
     checks.ints("SwiGLU", dict(d_model=d_model, d_ff=d_ff))
     init = jax.nn.initializers.lecun_normal()
     self.dtype = dtype

@@ -12,10 +12,10 @@ from flax import nnx
 from jaxops import checks
 from jaxops import frac as frac_ops
 from jaxops.rms_norm import rms_normalize
+from models import impl as impl_table
 from models.impl import Impl, resolve_impl
 from models import partitioning
 from models.partitioning import param
-from pallas_kernels import frac_scan as frac_kernel
 
 _F32 = jnp.float32
 
@@ -106,7 +106,7 @@ class FRACMixer(nnx.Module):
                init: str = "default", selective_dt: bool = True,
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     checks.ints("FRACMixer", dict(d_model=d_model, num_heads=num_heads))
-    head_dim = head_dim or max(1, d_model // num_heads)
+    head_dim = max(1, d_model // num_heads) if head_dim is None else head_dim
     checks.ints("FRACMixer", dict(head_dim=head_dim, state_dim=state_dim, context=context, conv_width=conv_width,
                                   **checks.given(chunk=chunk)))
     if not mamba2 and num_modes is not None:
@@ -263,14 +263,8 @@ class FRACMixer(nnx.Module):
     xs, bc = self._convolve(jnp.pad(xs, causal), jnp.pad(bc, causal))
     xs, dt, b, c = self._scan_inputs(xs, bc, dt_raw)
     rates, weights = self.modes()
-    if self.impl == "pallas":
-      blocks = {} if self.chunk is None else {"chunk": self.chunk}
-      y, _ = frac_kernel.frac_scan(xs, dt, b, c, rates, weights, interpret=self.interpret,
-                                   **blocks)
-    elif self.impl == "xla":
-      y, _ = frac_ops.frac_scan(xs, dt, b, c, rates, weights, chunk=self.chunk or 64)
-    else:
-      y, _ = frac_ops.frac_scan_reference(xs, dt, b, c, rates, weights)
+    y, _ = impl_table.call("frac_scan", self.impl, xs, dt, b, c, rates, weights,
+                           chunk=self.chunk, interpret=self.interpret)
     return self._output(y, xs, z)
 
   def init_cache(self, batch: int, dtype=None):

@@ -9,6 +9,9 @@
 
 `interpret` (on every layer that has a kernel) is passed to the kernel: None interprets on
 CPU only, True everywhere (or a `pltpu.InterpretParams`), False never.
+
+`OPS` is the one implementation table: for each op, what every resolved impl calls, with one
+signature per op (`call`); `CHUNKS` holds each op's one default chunk.
 """
 
 from __future__ import annotations
@@ -19,6 +22,12 @@ import jax
 from jax.extend import backend as jax_backend
 
 from jaxops import checks
+from jaxops import flash_ffn as ffn_ops
+from jaxops import frac as frac_ops
+from jaxops import pack3d as pack3d_ops
+from pallas_kernels import flash_ffn as ffn_kernel
+from pallas_kernels import frac_scan as frac_kernel
+from pallas_kernels import pack3d_attention as pack3d_kernel
 
 Impl = Literal["auto", "pallas", "xla", "reference"]
 IMPLS: tuple[str, ...] = get_args(Impl)
@@ -41,3 +50,54 @@ def resolve_impl(owner: str, impl: str, *, has_kernel: bool = True) -> str:
   if impl != "auto":
     return impl
   return "pallas" if has_kernel and compiles_kernels() else "xla"
+
+
+# The XLA paths' default chunks: tokens per step (flash_ffn), scan chunk length (frac_scan),
+# query cubes per step (pack3d). The kernels take their chunks from their tuned block tables
+# unless a layer sets one.
+CHUNKS = {"flash_ffn": 512, "frac_scan": 64, "pack3d": 16}
+
+
+def _pack3d_kernel(q, k, v, coords, field_ids, *, chunk, interpret, gates=None, **options):
+  del chunk                         # query cubes per program come from the kernel's tiles
+  if gates is not None:
+    raise ValueError("pack3d_attention: `gates` (merge 'gated' or 'local') needs impl='xla' "
+                     "or 'reference'")
+  return pack3d_kernel.pack3d_attention(q, k, v, coords, field_ids, interpret=interpret,
+                                        **options)
+
+
+def _pack3d_reference(q, k, v, coords, field_ids, *, chunk, interpret, max_cubes=None,
+                      **options):
+  del chunk, interpret, max_cubes   # dense: no cube slots, no chunks
+  return pack3d_ops.pack3d_attention_reference(q, k, v, coords, field_ids, **options)
+
+
+# op -> impl -> fn(*arrays, chunk=, interpret=, **options). chunk is the layer's (None: the
+# kernel's own tiles, or CHUNKS[op] on the XLA path).
+OPS = {
+    "flash_ffn": {
+        "pallas": lambda *a, chunk, interpret: ffn_kernel.mhffn(*a, interpret=interpret),
+        "xla": lambda *a, chunk, interpret: ffn_ops.mhffn(*a, chunk=chunk),
+        "reference": lambda *a, chunk, interpret: ffn_ops.mhffn_reference(*a),
+    },
+    "frac_scan": {
+        "pallas": lambda *a, chunk, interpret: frac_kernel.frac_scan(
+            *a, interpret=interpret, **({} if chunk is None else {"chunk": chunk})),
+        "xla": lambda *a, chunk, interpret: frac_ops.frac_scan(*a, chunk=chunk),
+        "reference": lambda *a, chunk, interpret: frac_ops.frac_scan_reference(*a),
+    },
+    "pack3d": {
+        "pallas": _pack3d_kernel,
+        "xla": lambda *a, chunk, interpret, **o: pack3d_ops.pack3d_attention(*a, chunk=chunk, **o),
+        "reference": _pack3d_reference,
+    },
+}
+
+
+def call(op: str, impl: str, *arrays, chunk: int | None = None, interpret=None, **options):
+  """OPS[op][impl](*arrays, ...) for a resolved impl ("pallas", "xla" or "reference"); the XLA
+  path gets `chunk` or CHUNKS[op]."""
+  if impl == "xla" and chunk is None:
+    chunk = CHUNKS[op]
+  return OPS[op][impl](*arrays, chunk=chunk, interpret=interpret, **options)

@@ -9,11 +9,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxops import checks
-from jaxops import pack3d as pack3d_ops
 from jaxops import rope
+from models import impl as impl_table
 from models.impl import Impl, resolve_impl
 from models.partitioning import param
-from pallas_kernels import pack3d_attention as pack3d_kernel
 
 Position = Literal["axial_rope", "learned_packed", "rope_packed", "none"]
 _POSITIONS = ("axial_rope", "learned_packed", "rope_packed", "none")
@@ -113,14 +112,8 @@ class Pack3DAttention(nnx.Module):
     # the local heads' offsets under partitioning.shard_layer(split_heads=True), else all H
     kwargs = dict(self.op_kwargs, far_offset=None if self.far_offset is None
                   else self.far_offset[...].astype(jnp.float32))
-    if self.impl == "pallas":
-      return pack3d_kernel.pack3d_attention(q, k, v, coords, field_ids, max_cubes=self.max_cubes,
-                                            interpret=self.interpret, **kwargs)
-    if self.impl == "xla":
-      return pack3d_ops.pack3d_attention(q, k, v, coords, field_ids, gates=gates,
-                                         max_cubes=self.max_cubes, **kwargs)
-    return pack3d_ops.pack3d_attention_reference(q, k, v, coords, field_ids, gates=gates,
-                                                 **kwargs)
+    return impl_table.call("pack3d", self.impl, q, k, v, coords, field_ids, gates=gates,
+                           max_cubes=self.max_cubes, interpret=self.interpret, **kwargs)
 
   def __call__(self, x, coords, field_ids):
     """x [B, N, d], coords int [B, N, 3], field_ids int [B, N] -> [B, N, d] (compute dtype)."""

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxops import pack3d as pack3d_ops
 from jaxops import packing
 from models import partitioning
-from models import pack3d as pack3d_module
 from models.pack3d import Pack3DAttention
 from tests import kernel_checks
 from tests.test_pack3d import BLOCK, COORDS, FIELD_IDS
@@ -89,13 +89,13 @@ def test_far_offset_splits_over_heads_under_shard_layer(monkeypatch):
   """Under shard_layer(split_heads=True) on a 2x2x2 mesh each device gets its local head's
   offset ([1] of [2]); output and gradients (the offset's included) equal one device's."""
   module = _offset_layer("xla")
-  seen, original = [], pack3d_module.pack3d_ops.pack3d_attention
+  seen, original = [], pack3d_ops.pack3d_attention
 
   def spy(*args, far_offset, **kwargs):
     seen.append(far_offset.shape)
     return original(*args, far_offset=far_offset, **kwargs)
 
-  monkeypatch.setattr(pack3d_module.pack3d_ops, "pack3d_attention", spy)
+  monkeypatch.setattr(pack3d_ops, "pack3d_attention", spy)
   loss = lambda m, x, c, f: jnp.sum(jnp.sin(partitioning.shard_layer(m, x, c, f,
                                                                      split_heads=True)))
   step = nnx.jit(nnx.value_and_grad(loss))

@@ -130,20 +130,18 @@ def test_sharded_losses_equal_one_device(tmp_path):
 def _kernel_case(kind):
   """(model, inputs, (module, kernel name)) for a one-block model whose `kind` layer calls its
   Pallas kernel (interpreted here) with H = 2 heads and a batch of 4."""
-  from models import flash_ffn as ffn_module
-  from models import frac as frac_module
-  from models import pack3d as pack3d_module
+  from pallas_kernels import flash_ffn, frac_scan, pack3d_attention
   tokens = jnp.arange(4 * 16).reshape(4, 16) % 256
   if kind == "flashffn":
     model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=16, ffn="flashffn",
                           ffn_options={"num_heads": 2, "num_experts": 2, "d_expert": 16},
                           impl="pallas", rngs=nnx.Rngs(0))
-    return model, (tokens,), (ffn_module.ffn_kernel, "mhffn")
+    return model, (tokens,), (flash_ffn, "mhffn")
   if kind == "frac":
     model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=16, mixer="frac",
                           mixer_options={"head_dim": 16, "state_dim": 8, "chunk": 8},
                           ffn_options={"d_ff": 32}, impl="pallas", rngs=nnx.Rngs(0))
-    return model, (tokens,), (frac_module.frac_kernel, "frac_scan")
+    return model, (tokens,), (frac_scan, "frac_scan")
   from tests.test_pack3d import packed
   coords, field_ids = packed(([(3, 4, 5)], [(2, 5, 6)], [(2, 3, 4), (3, 3, 4)], [(6, 5, 2)]))
   model = Pack3DSegmenter(patch=(1, 1, 1), in_channels=2, num_classes=3, d_model=12, depth=1,
@@ -152,7 +150,7 @@ def _kernel_case(kind):
                           rngs=nnx.Rngs(0))
   voxels = jax.random.normal(jax.random.key(1), coords.shape[:2] + (2,))
   return (model, (voxels, jnp.asarray(coords), jnp.asarray(field_ids)),
-          (pack3d_module.pack3d_kernel, "pack3d_attention"))
+          (pack3d_attention, "pack3d_attention"))
 
 
 @pytest.mark.parametrize("kind", ["flashffn", "frac", "pack3d"])
@@ -191,14 +189,14 @@ def test_heads_the_tensor_axis_does_not_divide_run_replicated_on_a_sequence_spli
   """FlashFFN with 3 heads under tensor = 2: its parameters enter whole and the tokens are split
   over tensor along L instead (shard_layer's fallback); outputs and gradients equal one
   device's."""
-  from models import flash_ffn as ffn_module
+  from pallas_kernels import flash_ffn
   model = LanguageModel(d_model=48, num_layers=1, num_heads=3, context=16, ffn="flashffn",
                         ffn_options={"num_heads": 3, "num_experts": 2, "d_expert": 16},
                         impl="pallas",
                         rngs=nnx.Rngs(0))
   tokens = jnp.arange(4 * 16).reshape(4, 16) % 256
-  seen, original = [], ffn_module.ffn_kernel.mhffn
-  monkeypatch.setattr(ffn_module.ffn_kernel, "mhffn",
+  seen, original = [], flash_ffn.mhffn
+  monkeypatch.setattr(flash_ffn, "mhffn",
                       lambda q, *a, **k: seen.append(q.shape) or original(q, *a, **k))
   step = nnx.jit(lambda m: nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(tokens))))(m))
   expected = step(model)
