@@ -1,4 +1,4 @@
-"""Independent float64 references, written from DESIGN.md alone (issue 10, item 1).
+"""Independent float64 references, written from DESIGN.md alone.
 
 Nothing here imports `jaxops`, `pallas_kernels` or `models`, and nothing here was written
 from their code: each function is the math of DESIGN.md sections 2-4 written out as

@@ -1,4 +1,4 @@
-"""One API (issue 11, point 1): every layer and model exported from `models`, one `impl`
+"""One API: every layer and model exported from `models`, one `impl`
 vocabulary whose default "auto" resolves per platform, `interpret` on every kernel layer,
 shapes in every public docstring."""
 

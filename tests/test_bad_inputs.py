@@ -1,5 +1,5 @@
 """Bad input to the public ops and layers: each case raises the expected exception type with a
-message that names the argument (issue 11, point 5). Concrete values raise at once; traced
+message that names the argument. Concrete values raise at once; traced
 values are checkify debug checks (last tests)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Parameters carry their logical axes and are created already sharded (issue 11, item 2).
+"""Parameters carry their logical axes and are created already sharded.
 
 On the 8 simulated CPU devices (tests/conftest.py), mesh data x fsdp x tensor = 2 x 2 x 2:
 every parameter is held once across each fsdp x tensor group (a quarter of the model per
@@ -80,9 +80,8 @@ def test_every_parameter_carries_its_logical_axes(build):
 
 
 def test_parameters_created_sharded_and_held_once_per_fsdp_tensor_group(capsys):
-  """Before: the model was built eagerly on one device (and each Pallas layer gathered all its
-  parameters inside shard_map): every device held the whole model. Now a device holds a
-  quarter: each parameter is split over the fsdp x tensor group (replicated over data only),
+  """A device holds a quarter of the model (not all of it, as an eager one-device build would
+  give): each parameter is split over the fsdp x tensor group (replicated over data only),
   except the per-head [H] vectors of FRAC (H = 2: split over tensor only)."""
   c = lm_config(**MESH)
   model = lm_task.make_model(c)

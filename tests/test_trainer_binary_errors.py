@@ -1,6 +1,6 @@
 """Bad command lines for the training binaries, as a table: each must end with exit status 2 and
 one line `error: ...` naming the flag or config field, the value given and what was expected,
-with no traceback (issue 11, item 5). The cases run through tests/binary_cases.py: the real
+with no traceback. The cases run through tests/binary_cases.py: the real
 binaries' __main__, forked from one process that imported them once (a few seconds in all)."""
 
 import json
@@ -121,13 +121,13 @@ def test_bad_input_is_one_clear_line(results, name, expected):
 
 
 def test_an_unwritable_workdir_fails_before_anything_slow(results):
-  """It used to fail only after building and compiling the model (~15 s)."""
+  """Checked before the model is built and compiled (that alone takes ~15 s)."""
   assert results["unwritable_workdir"]["seconds"] < 3.0
 
 
 @pytest.mark.parametrize("field", ["keep_checkpoints", "optim.clip_norm", "mesh.tensor"])
 def test_a_config_file_without_a_field_names_it(field):
-  """A typo in a config file's field name used to surface as a KeyError traceback."""
+  """A config file missing a field: one line naming the field, not a KeyError traceback."""
   c = lm_smoke.get_config()
   parent, _, leaf = field.rpartition(".")
   del (c[parent] if parent else c)[leaf]

@@ -51,9 +51,9 @@ nan_gradient_if.defvjp(lambda x, flag: (x, flag),
 
 
 def test_nan_gradients_with_a_finite_loss_stop_before_any_save(tmp_path):
-  """The issue's case (finite loss, NaN gradients) used to save a checkpoint full of NaN and
-  call it good: now the run stops at the step, before saving anything after it (that a rerun
-  resumes from the good checkpoint is tests/test_train.py's NaN-loss test)."""
+  """A finite loss with NaN gradients must not save a checkpoint full of NaN: the run stops at
+  the step, before saving anything after it (that a rerun resumes from the good checkpoint is
+  tests/test_train.py's NaN-loss test)."""
   c = config()
   task = lm_task.build_task(c)
 
@@ -111,11 +111,9 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
                          ids=["SIGINT_mid_step", "SIGTERM_mid_save"])
 def test_a_signal_saves_the_step_under_way_once_and_returns(baseline, tmp_path, monkeypatch,
                                                             signum, mid_save):
-  """SIGINT used to raise KeyboardInterrupt without saving; SIGTERM ended the process at once,
-  and during a save left only the temporary folder (the rerun started from step 0). Now both
-  complete a save in flight, save the step under way and return; the rerun equals the
-  uninterrupted run, also when a kill tore the last line of metrics.jsonl (which used to make
-  every rerun fail)."""
+  """SIGINT and SIGTERM complete a save in flight, save the step under way and return (no
+  KeyboardInterrupt, no temporary folder left as the newest checkpoint); the rerun equals the
+  uninterrupted run, also when a kill tore the last line of metrics.jsonl."""
   if mid_save:                          # checkpoints stay in their temporary folder for 1 s
     finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
@@ -187,7 +185,7 @@ def damage(step_dir: pathlib.Path, how: str) -> None:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("how", ["emptied", "truncated", "metadata_cut"])
 def test_restore_skips_damaged_checkpoints(tmp_path, how, caplog):
-  """Each kind of damage used to end in a raw tensorstore/orbax/JSON error."""
+  """Each kind of damage is skipped with a warning, never a raw tensorstore/orbax/JSON error."""
   state = lambda step: {"step": jnp.int32(step), "w": jnp.arange(12.0).reshape(3, 4) + step}
   c = Checkpoints(tmp_path, every=2, keep=5, last=6)
   for step in (2, 4, 6):
