@@ -6,14 +6,16 @@ not bounded by L / 2), and every lag is scored on the same positions t in [max(l
 so each lag weighs the same in the loss and in the evaluation. Token 0 names the lag
 (FIRST + j for lags[j]); the target at t is the input at t - lag.
 
-MQAR is `train.data.synthetic.mqar` itself (power-law gaps); `mqar_gaps` recovers each
-query's gap (query position minus its pair's value position) from a batch.
+MQAR is `train.data.synthetic.mqar` itself (power-law gaps); `kv_recall` is MQAR with random
+distractors instead of blanks between the queries; `mqar_gaps` recovers each query's gap
+(query position minus its pair's value position) from a batch of either.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from train.data import synthetic
 from train.data.synthetic import FIRST
 
 
@@ -100,3 +102,27 @@ def value_recall(*, seed: int, stream: int, index: int, batch: int, length: int,
   targets[:, pos] = value[:, None]
   mask[:, pos] = 1.0
   return {"inputs": inputs, "targets": targets, "mask": mask}
+
+
+def kv_recall(*, seed: int, stream: int, index: int, batch: int, length: int, vocab: int,
+              num_pairs: int, power: float = 0.01) -> dict:
+  """MQAR among distractors: `train.data.synthetic.mqar` (num_pairs key-value pairs at the
+  start, each key queried once after a gap g drawn with p(g) ~ g^(power - 1), about uniform in
+  log g for power near 0; the target at the query is the value) with every other position after
+  the pairs a random token of the value alphabet instead of a blank.
+
+  So the layer reads values everywhere (distractors, from the alphabet of the answers), and the
+  answer at a gap g needs the pair remembered across g of them; the query is the key itself
+  (keys appear nowhere else). Gaps per query: `mqar_gaps`. Same (seed, stream, index) and
+  length: the same pairs and queries as mqar, the distractors drawn from their own stream.
+  """
+  out = synthetic.mqar(seed=seed, stream=stream, index=index, batch=batch, length=length,
+                       vocab=vocab, num_pairs=num_pairs, power=power)
+  half = (vocab - FIRST) // 2
+  rng = np.random.default_rng([seed, stream, index, 1])
+  fill = np.zeros((batch, length), bool)
+  fill[:, 2 * num_pairs:] = True
+  fill &= out["mask"] == 0
+  distractors = (FIRST + half + rng.integers(0, half, (batch, length))).astype(np.int32)
+  out["inputs"] = np.where(fill, distractors, out["inputs"])
+  return out

@@ -141,6 +141,117 @@ def frac_memory(d) -> str:
   return "\n\n".join(out)
 
 
+def _beyond(by_gap, lo: int) -> float | None:
+  """Accuracy over the gap buckets starting at or beyond `lo` (weighted by their counts)."""
+  sel = [b for b in by_gap if b["lo"] >= lo and b["n"]]
+  n = sum(b["n"] for b in sel)
+  return sum(b["accuracy"] * b["n"] for b in sel) / n if n else None
+
+
+def frac_extrapolate(d) -> str:
+  """Memory beyond the training length: the sweep, accuracy per gap bucket at each evaluation
+  length, FRAC minus each baseline per seed with 95% t intervals, the memory clocks."""
+  from experiments.frac_memory import rows_at_best_lr  # noqa: PLC0415
+  out = []
+  order = ["frac", "one_mode_exp", "mamba2_ssm_init", "frac_fixed_dt"]
+  for task in dict.fromkeys(r["task"] for r in d["runs"].values()):
+    runs = {k: r for k, r in d["runs"].items() if r["task"] == task}
+    at_best = rows_at_best_lr(runs, task)
+    arms = [a for a in order if a in at_best] + sorted(set(at_best) - set(order))
+    first = next(iter(runs.values()))
+    length = first["length"]
+    lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs.values()})
+    rows = []
+    for a in arms:
+      r0 = at_best[a][0]
+      at = {r["lr"]: r for r in runs.values() if r["arm"] == a and r["seed"] == r0["seed"]}
+      f = r0.get("flops_per_token") or {}
+      rows.append([f"`{a}`", f"{r0['params']:,}", f"{f.get('weights', 0):,}",
+                   f"{f['xla']:,}" if f.get("xla") else "n/a"]
+                  + [("diverged" if at[lr].get("diverged") else
+                      f"{at[lr]['eval_loss']:.4f} / {at[lr]['accuracy']:.3f}")
+                     if lr in at else "-" for lr in lrs] + [f"{r0['lr']:g}"])
+    out.append(f"**{task}**, trained at L = {length}, {first['steps']} steps x batch "
+               f"{first['batch']}: learning-rate sweep (seed {at_best[arms[0]][0]['seed']}; "
+               f"held-out loss / accuracy at L; best = lowest loss)\n\n" + _table(
+                   ["arm", "params", "FLOPs/token (weights)", "FLOPs/token (XLA forward)"]
+                   + [f"lr {lr:g}" for lr in lrs] + ["best lr"], rows))
+    lengths = sorted({int(n) for rs in at_best.values() for r in rs
+                      for n in (r.get("extrapolation") or {})})
+    for n in lengths:
+      rows, labels = [], None
+      for a in arms:
+        rs = [r for r in at_best[a] if r.get("extrapolation")]
+        if not rs:
+          continue
+        buckets = [r["extrapolation"][str(n)]["by_gap"] for r in rs]
+        labels = labels or [f"{b['lo']}-{b['hi'] - 1}" for b in buckets[0]]
+        acc = np.array([[np.nan if b["accuracy"] is None else b["accuracy"] for b in bs]
+                        for bs in buckets])
+        rows.append([f"`{a}`", len(rs), fmt(stats([r["extrapolation"][str(n)]["accuracy"]
+                                                  for r in rs]), 3)]
+                    + [f"{x:.2f}" for x in np.nanmean(acc, 0)])
+      out.append(f"Accuracy per gap bucket at {n} L = {n * length} (mean over seeds; chance "
+                 f"{first['chance']:.3f})\n\n" + _table(
+                     ["arm", "seeds", "all gaps"] + [f"gap {l}" for l in labels], rows))
+    if lengths:
+      longest = max(lengths)
+      metrics = [(f"all gaps at L = {length}", lambda r: r["extrapolation"]["1"]["accuracy"]),
+                 (f"gaps >= L at {longest} L",
+                  lambda r: _beyond(r["extrapolation"][str(longest)]["by_gap"], length)),
+                 (f"gaps >= 4L at {longest} L",
+                  lambda r: _beyond(r["extrapolation"][str(longest)]["by_gap"], 4 * length))]
+      rows = []
+      for a in arms:
+        rs = {r["seed"]: r for r in at_best[a] if r.get("extrapolation")}
+        for name, metric in metrics:
+          vals = {s: v for s, r in rs.items() if (v := metric(r)) is not None}
+          if not vals:
+            continue
+          cells = [f"`{a}`", name, ", ".join(f"{vals[s]:.3f}" for s in sorted(vals))]
+          if a != "frac" and "frac" in at_best:
+            ref = {r["seed"]: metric(r) for r in at_best["frac"] if r.get("extrapolation")}
+            diffs = [ref[s] - vals[s] for s in sorted(vals) if ref.get(s) is not None]
+            ci = paired_interval(diffs)
+            cells += [", ".join(f"{x:+.3f}" for x in diffs),
+                      "n/a" if ci["low"] is None else
+                      f"{ci['mean']:+.3f} [{ci['low']:+.3f}, {ci['high']:+.3f}]"]
+          else:
+            cells += ["-", "-"]
+          rows.append(cells)
+      out.append("Per seed, each arm at its best learning rate; difference = FRAC minus the "
+                 "arm, same seed; 95% t interval over the seeds\n\n" + _table(
+                     ["arm", "accuracy on", "per seed", "FRAC - arm per seed",
+                      "mean [95% interval]"], rows))
+    rows = []
+    for a in arms:
+      rs = [r for r in at_best[a] if r.get("memory_clock")]
+      if not rs:
+        continue
+      for i, layer in enumerate(rs[0]["memory_clock"]["init"]):
+        slow = lambda m: int(np.argmax(m["timescale"]))
+        k = lambda m: m["kernel_over_k0"][slow(m)][-1]
+        init = layer
+        trained = [r["memory_clock"]["trained"][i] for r in rs]
+        rows.append([f"`{a}`", i, f"{max(init['timescale']):,.0f}", f"{k(init):.3g}",
+                     ", ".join(f"{max(m['timescale']):,.0f}" for m in trained),
+                     ", ".join(f"{k(m):.3g}" for m in trained),
+                     ", ".join(f"{np.mean(m['dt_distractors']):.3f}" for m in trained)])
+    if rows:
+      gap = rs[0]["memory_clock"]["init"][0]["gaps"][-1]
+      out.append("Memory clock (`memory_clock`; on held-out sequences of the longest length): "
+                 "per layer the slowest head's timescale 1 / (slowest rate x mean dt over the "
+                 f"distractors) in tokens and its kernel K/K(0) after {gap} distractors; at "
+                 "initialisation (seed 0) and trained (per seed)\n\n" + _table(
+                     ["arm", "layer", "slowest timescale, init", f"K({gap})/K(0), init",
+                      "slowest timescale, trained", f"K({gap})/K(0), trained",
+                      "mean dt on distractors, trained"], rows))
+    versions = sorted({f"jax {r.get('jax', '?')}, flax {r.get('flax', '?')}, python "
+                       f"{r.get('python', '?')}" for r in runs.values()})
+    out.append(f"Software: {'; '.join(versions)}.")
+  return "\n\n".join(out)
+
+
 def repacking(d) -> str:
   order = ["learned_packed", "rope_packed", "axial_rope", "none"]
   arms = _by_arm(d["runs"], order)
@@ -244,7 +355,7 @@ def main(argv) -> None:
       directory = pathlib.Path(a.split("=", 1)[1])
   for name, fn in (("lm_shakespeare", lm), ("lm_ffn_shakespeare", lm_ffn),
                    ("lm_ffn_stdlib", lm_ffn), ("frac_memory_diag", frac_memory),
-                   ("frac_memory", frac_memory),
+                   ("frac_memory", frac_memory), ("frac_extrapolate", frac_extrapolate),
                    ("repacking", repacking), ("seg3d_cpu", seg3d)):
     d = _load(directory, name)
     if d is None:
