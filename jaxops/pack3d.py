@@ -181,11 +181,6 @@ class CubeLayout:
     return is_far(query[:, :, None], self.keys[:, None], self.count[:, None] > 0,
                   self.radius_blocks)
 
-  def far_bias(self, block_bias: bool, rows=None):
-    """float32 [B, R, C]: log(n_c) (or 0 without block_bias) where c is far, else MASK."""
-    bias = jnp.log(jnp.maximum(self.count, 1.0)) if block_bias else jnp.zeros_like(self.count)
-    return jnp.where(self.far(rows), bias[:, None, :], MASK)
-
   def cube_rows(self):
     """float32 [B, 8, C]: rows field, cz, cy, cx, count (then zeros) of every cube, for the
     kernels' far test (exact in float32 below 2^24)."""
