@@ -131,11 +131,17 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4), radiu
           logit = logit + np.asarray(far_offset, np.float64)  # beta_h for each head h
         logits.append(logit)
         values.append(vbar)
-      logits = np.stack(logits)  # [keys, H]
-      weights = np.exp(logits - logits.max(axis=0))
-      weights /= weights.sum(axis=0)
-      out[bi, i] = np.einsum("jh,jhd->hd", weights, np.stack(values))
+      out[bi, i] = softmax_mix(logits, values)
   return out
+
+
+def softmax_mix(logits, values):
+  """One query's output: logits, a list of [H] per key, values a list of [H, D] per key ->
+  sum over keys of softmax(logits)_key * value_key, [H, D]."""
+  logits = np.stack(logits)  # [keys, H]
+  weights = np.exp(logits - logits.max(axis=0))
+  weights /= weights.sum(axis=0)
+  return np.einsum("jh,jhd->hd", weights, np.stack(values))
 
 
 def count_cubes(coords, field_ids, block_shape) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tests.independent import axial_rope_3d
+from tests.independent import axial_rope_3d, softmax_mix
 
 
 def level_radii(radius_blocks: int, levels: int, level_radius=None) -> list[int]:
@@ -152,10 +152,7 @@ def multilevel_attention_reference(q, k, v, coords, field_ids, *, block_shape=(4
             logit = logit + math.log(n_b)
           logits.append(logit + beta[level - 1])
           values.append(vbar)
-      logits = np.stack(logits)  # [keys, H]
-      weights = np.exp(logits - logits.max(axis=0))
-      weights /= weights.sum(axis=0)
-      out[bi, i] = np.einsum("jh,jhd->hd", weights, np.stack(values))
+      out[bi, i] = softmax_mix(logits, values)
   return out
 
 
