@@ -269,7 +269,7 @@ def _train_one(base, results, runs_dir, name, task, arm, lr, seed) -> None:
   load0, t0 = common.machine_load(), time.perf_counter()
   diverged = None
   try:
-    fit = trainer.fit(config, workdir, task_obj)
+    fit = common.fit(config, workdir, task_obj, key)
   except trainer.NonFiniteLossError as e:
     if lr is None:
       raise
