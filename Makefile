@@ -1,22 +1,30 @@
 # Two commands from a fresh clone: `make test` and `make demo`. Both create .venv first.
-PYTHON ?= python3
+# Two ends of the supported range, each an exact set of versions in constraints/:
+#   default  .venv         Python 3.12, jax 0.12.0.1  constraints/py312-jax012.txt
+#   lowest   .venv-lowest  Python 3.11, jax 0.10.2    constraints/py311-jax010.txt  (make test-lowest)
+# tools/venv.sh finds the Python (PYTHON=... overrides), rebuilds a venv made by another
+# Python and reinstalls when pyproject.toml or the constraints change.
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+CONSTRAINTS := constraints/py312-jax012.txt
+LOWEST_CONSTRAINTS := constraints/py311-jax010.txt
 
-.PHONY: setup test test-slow mutants demo bench clean aot-setup compile-check compile-check-tpu memory-aot
+.PHONY: setup setup-lowest test test-lowest test-slow mutants demo bench clean aot-setup \
+        compile-check compile-check-tpu memory-aot lock
 
-setup: $(STAMP)
+setup:
+	@tools/venv.sh $(VENV) 3.12 $(CONSTRAINTS) dev
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip==26.3
-	$(PY) -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+setup-lowest:
+	@PYTHON=$(PYTHON_LOWEST) tools/venv.sh .venv-lowest 3.11 $(LOWEST_CONSTRAINTS) dev
 
 # Two workers, whole files each (a file's tests share their compiled functions and fixtures).
 test: setup
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile
+
+# The same suite at the low end of the ranges in pyproject.toml.
+test-lowest: setup-lowest
+	JAX_PLATFORMS=cpu .venv-lowest/bin/python -m pytest -q -n 2 --dist loadfile
 
 test-slow: setup
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m slow
@@ -35,15 +43,12 @@ bench: setup
 	JAX_PLATFORMS=cpu $(PY) -m benchmarks.frac_speed
 
 # Deviceless AOT compiles for real chips (benchmarks/aot): the TPU compiler (libtpu) and the
-# CUDA plugin with ptxas live in their own venvs, from the pinned extras in pyproject.toml.
+# CUDA plugin with ptxas live in their own venvs, from the aot extras at the default end.
 AOT_TPU := .venv-aot-tpu/.installed
 AOT_GPU := .venv-aot-gpu/.installed
 
-$(AOT_TPU) $(AOT_GPU): .venv-aot-%/.installed: pyproject.toml
-	test -x .venv-aot-$*/bin/python || $(PYTHON) -m venv .venv-aot-$*
-	.venv-aot-$*/bin/python -m pip install --quiet --upgrade pip==26.3
-	.venv-aot-$*/bin/python -m pip install --quiet -e '.[aot-$*]'
-	touch $@
+.venv-aot-%/.installed: FORCE
+	@tools/venv.sh .venv-aot-$* 3.12 $(CONSTRAINTS) aot-$*
 
 aot-setup: $(AOT_TPU) $(AOT_GPU)
 
@@ -63,7 +68,16 @@ memory-aot: aot-setup
 	PYTHONPATH=. .venv-aot-gpu/bin/python -m benchmarks.aot.memory --target=gpu-h100
 
 clean:
-	rm -rf $(VENV) .venv-aot-tpu .venv-aot-gpu .pytest_cache
+	rm -rf $(VENV) .venv-lowest .venv-aot-tpu .venv-aot-gpu .pytest_cache
+
+# Rewrites both constraints files from pyproject.toml's ranges (newest on 3.12, lower bounds
+# on 3.11); run after changing a range, then `make test test-lowest`.
+lock:
+	py312=$$(tools/venv.sh --find 3.12) && py311=$$(PYTHON=$(PYTHON_LOWEST) tools/venv.sh --find 3.11) \
+	  && $$py312 tools/lock.py --python=$$py312 --out=$(CONSTRAINTS) \
+	  && $$py312 tools/lock.py --lowest --python=$$py311 --out=$(LOWEST_CONSTRAINTS)
+
+FORCE:
 
 # Issue 12's evidence (RESULTS.md): every arm of the four CPU-scale experiments, hours on
 # 2 cores; each runner resumes (results/<name>.json, runs/experiments/) and skips finished arms.
