@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +16,22 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interp
 KERNEL_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
 
 
+# The GPU that "cuda" lowerings are for: Pallas' Triton lowering reads the compute capability
+# from an abstract device when no GPU is present (jax >= 0.11 requires one).
+CUDA_DEVICE_KIND = "NVIDIA A100-SXM4-80GB"
+
+
 def export_mlir(fn, platform: str, *args) -> str:
   """Lowers jit(fn) for `platform` ("tpu" or "cuda") from CPU; returns the StableHLO text."""
-  disabled = ([export.DisabledSafetyCheck.custom_call(KERNEL_CALL["cuda"])]
-              if platform == "cuda" else [])
-  exported = export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)(*args)
+  disabled, target = [], contextlib.nullcontext()
+  if platform == "cuda":
+    disabled = [export.DisabledSafetyCheck.custom_call(KERNEL_CALL["cuda"])]
+    device = jax.sharding.AbstractDevice(device_kind=CUDA_DEVICE_KIND, num_cores=None,
+                                         platform="cuda")
+    target = jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device))
+  with target:
+    exported = export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)(*args)
   return exported.mlir_module()
 
 
@@ -38,8 +50,12 @@ def race_params(cores: int = 2, seed: int = 0):
   so a race between grid steps cannot show.
   """
   from jax.experimental.pallas import tpu as pltpu
+  # Record races instead of raising at the first one (jax >= 0.11 raises by default), so
+  # `races_checked` can say which launch raced; older JAX always records.
+  record = ({"on_race": "warn"} if "on_race" in
+            {f.name for f in dataclasses.fields(pltpu.InterpretParams)} else {})
   return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
-                               num_cores_or_threads=cores, random_seed=seed)
+                               num_cores_or_threads=cores, random_seed=seed, **record)
 
 
 @contextlib.contextmanager
