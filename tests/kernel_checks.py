@@ -28,8 +28,10 @@ def export_mlir(fn, platform: str, *args) -> str:
     disabled = [export.DisabledSafetyCheck.custom_call(KERNEL_CALL["cuda"])]
     device = jax.sharding.AbstractDevice(device_kind=CUDA_DEVICE_KIND, num_cores=None,
                                          platform="cuda")
-    target = jax.sharding.use_abstract_mesh(
-        jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device))
+    # Auto axes, as a deviceless compile's mesh has: the layout tables that ops compute
+    # eagerly at trace time stay unsharded (an Explicit mesh would shard them abstractly).
+    target = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
+        (1,), ("gpu",), (jax.sharding.AxisType.Auto,), abstract_device=device))
   with target:
     exported = export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)(*args)
   return exported.mlir_module()
