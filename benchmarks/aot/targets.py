@@ -3,9 +3,11 @@
 TPU: `jax.experimental.topologies.get_topology_desc` with libtpu installed builds a
 topology from its name; a 1x1 topology is rejected, so a 2x2 one is made and one chip used.
 GPU: XLA's `GpuTargetConfig` text protos (copied from openxla/xla
-`xla/backends/gpu/target_config/specs`, less one field jaxlib 0.10.2 does not parse) give
-the CUDA plugin the device it compiles for; `shared_memory_per_block_optin` is the
-per-block shared-memory limit a kernel must fit.
+`xla/backends/gpu/target_config/specs`, less `collective_memory_granularity`, which jaxlib
+0.10.2 does not parse; 0.12 reads them as they are) give the CUDA plugin the device it
+compiles for; Pallas reads the compute capability from the GPU model named in their
+`device_description_str`; `shared_memory_per_block_optin` is the per-block shared-memory
+limit a kernel must fit.
 """
 
 from __future__ import annotations
