@@ -17,7 +17,7 @@ KERNEL_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
 
 
 # The GPU that "cuda" lowerings are for: Pallas' Triton lowering reads the compute capability
-# from an abstract device when no GPU is present (jax >= 0.11 requires one).
+# from an abstract device when no GPU is present (jax 0.12 requires one; 0.10 assumed 9.0).
 CUDA_DEVICE_KIND = "NVIDIA A100-SXM4-80GB"
 
 
@@ -52,8 +52,8 @@ def race_params(cores: int = 2, seed: int = 0):
   so a race between grid steps cannot show.
   """
   from jax.experimental.pallas import tpu as pltpu
-  # Record races instead of raising at the first one (jax >= 0.11 raises by default), so
-  # `races_checked` can say which launch raced; older JAX always records.
+  # Record races instead of raising at the first one (jax 0.12's default), so
+  # `races_checked` can say which launch raced; jax 0.10 always records.
   record = ({"on_race": "warn"} if "on_race" in
             {f.name for f in dataclasses.fields(pltpu.InterpretParams)} else {})
   return pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan",
