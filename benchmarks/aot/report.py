@@ -56,7 +56,8 @@ def tpu_scoped_vmem(dump: pathlib.Path) -> dict:
   for path in dump.glob("*after_codegen.txt"):
     for line in path.read_text().splitlines():
       if (call := _TPU_CALL.search(line)) and (scoped := _SCOPED.search(line)):
-        name = re.sub(r"\.\d+$", "", call.group(1))
+        # XLA suffixes the kernel's name: `.3`, or on jax 0.12 `.1.ds_ref` (a value's name)
+        name = call.group(1).split(".")[0]
         size = sum(int(s) for s in _SIZE.findall(scoped.group(1)))
         out[name] = max(out.get(name, 0), size)
   return out
