@@ -61,7 +61,7 @@ SHAPES = {
 
 # Blocks far beyond any chip's on-chip memory, one per backend's limiting resource.
 OVERSIZED = {
-    "tpu": Case("flash_ffn", "370m", "fwd", "float32", (("block_q", 8192),), True),
+    "tpu": Case("flash_ffn", "370m", "fwd", "float32", (("block_q", 16384),), True),
     "gpu": Case("flash_ffn", "370m", "fwd", "float32",
                 (("block_q", 256), ("block_inter", 256)), True),
 }
