@@ -1,10 +1,13 @@
 """Shared by every kernel's entry point: pick the lowering for the platform and the tiles
 for the chip.
 
-Each op has a Mosaic (TPU) and a Triton (GPU) kernel body. Its public function builds a
-`KernelConfig` from its keyword arguments and runs its forward and backward through
-`dispatch`, which uses `jax.lax.platform_dependent` so that one jitted function runs
-interpreted on CPU and compiles for TPU and GPU.
+Each op has a Mosaic (TPU) and a Triton (GPU) kernel body, and some a Mosaic GPU one
+(Hopper: TMA and WGMMA; jax >= 0.12). Its public function builds a `KernelConfig` from
+its keyword arguments and runs its forward and backward through `dispatch`, which uses
+`jax.lax.platform_dependent` so that one jitted function runs interpreted on CPU and
+compiles for TPU and GPU. On a CUDA GPU the kernel body is chosen per chip when the
+program is traced (`gpu_backend`): Mosaic GPU on Hopper (compute capability 9.x) where the
+op has one, Triton on Ampere, on Blackwell (WGMMA is Hopper-only) and for the other ops.
 
 Block sizes come from each op's table of tuned entries, keyed by (backend, chip, dtype)
 (levanter's `tuned_block_sizes`); every entry is compiled by `make compile-check` for its
@@ -25,9 +28,12 @@ import jax.numpy as jnp
 
 from jaxops import checks
 
-Backend = Literal["mosaic", "triton"]
-_PLATFORM = {"mosaic": "tpu", "triton": "cuda"}
+Backend = Literal["mosaic", "triton", "mosaic_gpu"]
+BACKENDS = ("mosaic", "triton", "mosaic_gpu")
+_PLATFORM = {"mosaic": "tpu", "triton": "cuda", "mosaic_gpu": "cuda"}
 CHIPS = ("tpu-v5e", "tpu-v6e", "gpu-a100", "gpu-h100", "gpu-h200")
+# Compute capability of the GPU chips, for a deviceless compile that names its target.
+_CAPABILITY = {"gpu-a100": (8, 0), "gpu-h100": (9, 0), "gpu-h200": (9, 0)}
 _DEVICE_KINDS = (("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v6 lite", "tpu-v6e"),
                  ("v6e", "tpu-v6e"), ("a100", "gpu-a100"), ("h100", "gpu-h100"),
                  ("h200", "gpu-h200"))
@@ -47,12 +53,69 @@ def target_chip(chip: str):
     _chip_override.pop()
 
 
+def _target_device():
+  """The device a program is traced for: an abstract mesh's device (an AOT or export
+  target) where one is set, else the default device."""
+  abstract = jax.sharding.get_abstract_mesh().abstract_device
+  return abstract if abstract is not None else jax.devices()[0]
+
+
 def current_chip() -> str | None:
-  """The chip being compiled for: the override, else the first device's kind, else None."""
+  """The chip being compiled for: the override, else the target device's kind, else None."""
   if _chip_override:
     return _chip_override[-1]
-  kind = jax.devices()[0].device_kind.lower()
+  kind = _target_device().device_kind.lower()
   return next((chip for key, chip in _DEVICE_KINDS if key in kind), None)
+
+
+def target_platform() -> str:
+  """The platform a program is traced for: the abstract mesh's device's (an AOT or export
+  target) where one is set, else JAX's default backend ("cpu", "gpu", "tpu")."""
+  abstract = jax.sharding.get_abstract_mesh().abstract_device
+  return abstract.platform if abstract is not None else jax.default_backend()
+
+
+def compute_capability() -> tuple[int, int] | None:
+  """(major, minor) of the CUDA GPU being compiled for, or None when it is not known (no
+  GPU target, or an unknown abstract one)."""
+  if (chip := current_chip()) in _CAPABILITY:
+    return _CAPABILITY[chip]
+  capability = getattr(_target_device(), "compute_capability", None)
+  if isinstance(capability, str) and capability.replace(".", "").isdigit():
+    return tuple(int(x) for x in capability.split("."))[:2]
+  return None
+
+
+def mosaic_gpu_available() -> bool:
+  """Whether this JAX has the Mosaic GPU API the kernels are written for (0.12: `plgpu.kernel`,
+  the GPU interpreter); 0.10 has an older, incompatible one."""
+  if jax.__version_info__ < (0, 12):
+    return False
+  try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+  except ImportError:
+    return False
+  return hasattr(plgpu, "kernel") and hasattr(plgpu, "InterpretGPUParams")
+
+
+def mosaic_gpu_module():
+  """`jax.experimental.pallas.mosaic_gpu`, or a RuntimeError saying why not."""
+  if not mosaic_gpu_available():
+    raise RuntimeError(f"the Mosaic GPU kernels need jax >= 0.12 (plgpu.kernel and its "
+                       f"interpreter); this is jax {jax.__version__}: use backend='triton'")
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu
+
+
+def gpu_backend(backends=BACKENDS) -> Backend:
+  """The GPU kernel body for the chip being compiled for, among an op's `backends`:
+  Mosaic GPU on Hopper (its kernels use WGMMA, which only sm_90a has), else Triton
+  (Ampere, Blackwell, unknown GPUs). Until a device measurement says otherwise."""
+  capability = compute_capability()
+  if ("mosaic_gpu" in backends and capability is not None and capability[0] == 9
+      and mosaic_gpu_available()):
+    return "mosaic_gpu"
+  return "triton"
 
 
 def tuned(table: dict, backend: Backend, dtype, default):
@@ -75,10 +138,12 @@ class KernelConfig:
   op: the public name, for error messages.
   blocks_type: the op's frozen block-size dataclass, with `for_backend(backend, dtype)`
     giving the tuned entry for the current chip.
-  backend: None picks per platform; "mosaic" or "triton" forces one kernel body.
-  interpret: None interprets on CPU only; True (or `pltpu.InterpretParams`) everywhere;
-    False never.
+  backend: None picks per platform (and, on GPU, per chip: `gpu_backend`); "mosaic",
+    "triton" or "mosaic_gpu" forces one kernel body.
+  interpret: None interprets on CPU only; True (or the backend's interpreter params,
+    `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`) everywhere; False never.
   overrides: block-size fields set by the caller, as sorted (name, value) pairs.
+  backends: the kernel bodies the op has.
   """
 
   op: str
@@ -86,17 +151,23 @@ class KernelConfig:
   backend: Backend | None
   interpret: Any
   overrides: tuple
+  backends: tuple = ("mosaic", "triton")
 
   @classmethod
-  def make(cls, op: str, blocks_type: type, *, backend, interpret, block_sizes: dict):
+  def make(cls, op: str, blocks_type: type, *, backend, interpret, block_sizes: dict,
+           backends: tuple = ("mosaic", "triton")):
     known = {f.name for f in dataclasses.fields(blocks_type)}
     unknown = set(block_sizes) - known
     if unknown:
       raise ValueError(f"{op}: unknown block size(s) {sorted(unknown)}; expected some of "
                        f"{sorted(known)}")
-    if backend not in (None, "mosaic", "triton"):
-      raise ValueError(f"{op}: `backend` must be None, 'mosaic' or 'triton', got {backend!r}")
-    cfg = cls(op, blocks_type, backend, interpret, tuple(sorted(block_sizes.items())))
+    if backend is not None and backend not in backends:
+      raise ValueError(f"{op}: `backend` must be None or one of {backends}, got {backend!r}")
+    if backend == "mosaic_gpu" and not mosaic_gpu_available():
+      raise ValueError(f"{op}: backend='mosaic_gpu' needs jax >= 0.12 (plgpu.kernel and its "
+                       f"interpreter); this is jax {jax.__version__}")
+    cfg = cls(op, blocks_type, backend, interpret, tuple(sorted(block_sizes.items())),
+              tuple(backends))
     check_positive(op, dataclasses.replace(blocks_type(), **block_sizes))
     return cfg
 
@@ -117,9 +188,16 @@ def dispatch(fn, cfg: KernelConfig, *args):
   def branch(backend: Backend, interpret: bool):
     return functools.partial(fn, backend, interpret, cfg.blocks_for(backend, dtype))
 
+  if cfg.backend == "mosaic_gpu" and cfg.interpret is None:
+    # The Mosaic GPU interpreter has ordered effects, and a platform_dependent branch
+    # with effects breaks lowering for the other platforms (jax 0.12 lowers only the
+    # platform's branch but expects the tokens of all). So the choice is made when the
+    # program is traced: the interpreter when it is traced for CPU.
+    return branch("mosaic_gpu", target_platform() == "cpu")(*args)
+
   # interpret=False on CPU: the compiled kernel, which Pallas refuses to lower there
   # (raising at trace time instead would also break TPU/GPU: every branch is traced).
   default = branch(cfg.backend or "mosaic", cfg.interpret is None)
-  backends = (cfg.backend,) if cfg.backend else ("mosaic", "triton")
+  backends = (cfg.backend,) if cfg.backend else ("mosaic", gpu_backend(cfg.backends))
   return jax.lax.platform_dependent(
       *args, default=default, **{_PLATFORM[b]: branch(b, False) for b in backends})

@@ -14,19 +14,26 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interp
 # What each platform's exported module must contain: the Pallas custom call itself,
 # so an XLA fallback cannot pass for a kernel.
 KERNEL_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
+# The custom call of each kernel body (Mosaic GPU: jax >= 0.12).
+BACKEND_CALL = {"mosaic": "tpu_custom_call", "triton": "__gpu$xla.gpu.triton",
+                "mosaic_gpu": "mosaic_gpu_v2"}
 
 
 # The GPU that "cuda" lowerings are for: Pallas' Triton lowering reads the compute capability
 # from an abstract device when no GPU is present (jax 0.12 requires one; 0.10 assumed 9.0).
+# An Ampere GPU, so `backend=None` picks the Triton body (Hopper ones get Mosaic GPU).
 CUDA_DEVICE_KIND = "NVIDIA A100-SXM4-80GB"
+HOPPER_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
 
 
-def export_mlir(fn, platform: str, *args) -> str:
-  """Lowers jit(fn) for `platform` ("tpu" or "cuda") from CPU; returns the StableHLO text."""
+def export_mlir(fn, platform: str, *args, device_kind: str = CUDA_DEVICE_KIND) -> str:
+  """Lowers jit(fn) for `platform` ("tpu" or "cuda", the latter for the GPU `device_kind`)
+  from CPU; returns the StableHLO text."""
   disabled, target = [], contextlib.nullcontext()
   if platform == "cuda":
-    disabled = [export.DisabledSafetyCheck.custom_call(KERNEL_CALL["cuda"])]
-    device = jax.sharding.AbstractDevice(device_kind=CUDA_DEVICE_KIND, num_cores=None,
+    disabled = [export.DisabledSafetyCheck.custom_call(BACKEND_CALL[b])
+                for b in ("triton", "mosaic_gpu")]
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None,
                                          platform="cuda")
     # Auto axes, as a deviceless compile's mesh has: the layout tables that ops compute
     # eagerly at trace time stay unsharded (an Explicit mesh would shard them abstractly).

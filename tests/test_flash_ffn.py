@@ -1,4 +1,5 @@
-"""FlashFFN: every path (XLA chunks, Mosaic and Triton kernel bodies) against the reference."""
+"""FlashFFN: every path (XLA chunks, Mosaic, Triton and Mosaic GPU kernel bodies) against the
+reference."""
 
 from __future__ import annotations
 
@@ -16,12 +17,26 @@ from jaxops.rms_norm import rms_normalize
 from models import FlashFFN, SwiGLU, flashffn_matching_swiglu
 from models.flash_ffn import flashffn_param_count, heads_and_router
 from pallas_kernels import flash_ffn as kernel
+from pallas_kernels.dispatch import mosaic_gpu_available
 from tests import kernel_checks
 
 # Odd L, several experts, d_e spanning two tiles with a partial one (24 = 16 + 8 padded).
 B, L, H, D_H, E, D_E = 2, 77, 2, 16, 3, 24
 SMALL_BLOCKS = dict(block_q=32, block_inter=16, block_q_dkv=64)
 MOSAIC_BLOCKS = dict(block_q=128, block_inter=16, block_q_dkv=128)  # tokens: lanes
+# Mosaic GPU: 3 token tiles of 64 (WGMMA's M), d_e = 24 in 16-wide tiles padded to the
+# dK/dU/dV kernel's 64 rows (a full, a partial and an empty tile), 32-token dK/dU/dV steps.
+MOSAIC_GPU_BLOCKS = dict(block_q=64, block_inter=16, block_q_dkv=32)
+MOSAIC_GPU = mosaic_gpu_available()  # jax >= 0.12
+needs_mosaic_gpu = pytest.mark.skipif(not MOSAIC_GPU, reason="Mosaic GPU needs jax >= 0.12")
+
+
+def mosaic_gpu_interpreter():
+  """The Mosaic GPU interpreter with its race detector on (it raises at a race: a missing
+  barrier wait, an overwritten buffer still being read)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu.InterpretGPUParams(detect_races=True)
+
 # Relative to max|reference|. bf16: the XLA path's bound (measured 3.5e-3..1.1e-2); the
 # kernels are held to 3x the XLA path's own error on the same inputs (kernel_checks).
 TOL = {jnp.float32: 5e-5, jnp.bfloat16: 1.5e-2}
@@ -31,6 +46,9 @@ PATHS = {
     "mosaic": functools.partial(kernel.mhffn, interpret=True, backend="mosaic", **MOSAIC_BLOCKS),
     "triton": functools.partial(kernel.mhffn, interpret=True, backend="triton", **SMALL_BLOCKS),
 }
+if MOSAIC_GPU:
+  PATHS["mosaic_gpu"] = functools.partial(kernel.mhffn, interpret=mosaic_gpu_interpreter(),
+                                          backend="mosaic_gpu", **MOSAIC_GPU_BLOCKS)
 
 
 def make_inputs(dtype, shape=(B, L, H, D_H, E, D_E), seed=0):
@@ -73,10 +91,34 @@ def check_against_reference(path, dtype, shape=(B, L, H, D_H, E, D_E)):
   kernel_checks.assert_grads_close(grads, grads_ref, args, "qrkuv", rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("path", list(PATHS))
+def _path_params():
+  """(path, dtype) pairs; Mosaic GPU's float32 case runs by default, its bf16 one is slow
+  (the interpreter takes ~15 s per case on two cores), and both need jax >= 0.12."""
+  for path in ("xla", "mosaic", "triton", "mosaic_gpu"):
+    for dtype, name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
+      marks = []
+      if path == "mosaic_gpu":
+        marks = [needs_mosaic_gpu] + ([pytest.mark.slow] if name == "bf16" else [])
+      yield pytest.param(path, dtype, id=f"{path}-{name}", marks=marks)
+
+
+@pytest.mark.parametrize("path, dtype", list(_path_params()))
 def test_matches_reference_forward_and_gradients(path, dtype):
   check_against_reference(path, dtype)
+
+
+# Mosaic GPU's other layouts and loop shapes: d_h = 128 (flat token layout; its dK/dU/dV
+# accumulators take two passes over the tokens), d_h = 24 (padded to a 32-byte row, head-major),
+# one expert, one token tile, d_e a multiple of the tile.
+MOSAIC_GPU_SHAPES = [(1, 70, 2, 128, 2, 40), (2, 45, 3, 24, 2, 72), (1, 9, 1, 8, 1, 64)]
+
+
+@pytest.mark.slow
+@needs_mosaic_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", MOSAIC_GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_mosaic_gpu_shapes(shape, dtype):
+  check_against_reference("mosaic_gpu", dtype, shape=shape)
 
 
 def test_mosaic_flat_token_layout():
@@ -118,6 +160,24 @@ def test_lowers_for_hardware(platform):
   kernel_checks.assert_lowers_to_kernels(kernel.mhffn, platform, *args, count=1)
   grad = jax.grad(functools.partial(_loss, kernel.mhffn), argnums=(0, 1, 2, 3, 4))
   kernel_checks.assert_lowers_to_kernels(grad, platform, *args, count=3)
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("device_kind, backend", [
+    (kernel_checks.HOPPER_DEVICE_KIND, "mosaic_gpu"), (kernel_checks.CUDA_DEVICE_KIND, "triton")],
+    ids=["h100", "a100"])
+def test_auto_picks_the_gpu_kernel_per_chip(device_kind, backend):
+  """backend=None lowers to Mosaic GPU for a Hopper target and to Triton for an Ampere one
+  (forward: one kernel; gradient: forward, dq/dr and dK/dU/dV), and to nothing else."""
+  spec = lambda *s, d=jnp.bfloat16: jax.ShapeDtypeStruct(s, d)
+  args = (spec(1, 1000, 8, 128), spec(1, 1000, 8, 11, d=jnp.float32),
+          *(spec(8, 11, 256, 128),) * 3)
+  grad = jax.grad(functools.partial(_loss, kernel.mhffn), argnums=(0, 1, 2, 3, 4))
+  other = {"mosaic_gpu": "triton", "triton": "mosaic_gpu"}[backend]
+  for fn, count in ((kernel.mhffn, 1), (grad, 3)):
+    text = kernel_checks.export_mlir(fn, "cuda", *args, device_kind=device_kind)
+    assert text.count(kernel_checks.BACKEND_CALL[backend]) == count
+    assert kernel_checks.BACKEND_CALL[other] not in text
 
 
 def test_no_races_and_no_uninitialized_reads():

@@ -32,6 +32,7 @@ from models import FlashFFN
 from pallas_kernels import flash_ffn as ffn_kernel
 from pallas_kernels import frac_scan as frac_kernel
 from pallas_kernels import pack3d_attention as pack_kernel
+from pallas_kernels.dispatch import mosaic_gpu_available
 from tests import independent as ind
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -643,7 +644,8 @@ def test_frac_memory_is_the_power_law():
 # ========================================================================================
 
 # L = 133: two Mosaic token tiles (128 + 5; Mosaic wants multiples of 128), five Triton
-# ones (32 each, the last partial); d_e = 24 is a full and a partial 16-wide d_e tile.
+# ones (32 each, the last partial); d_e = 24 is a full and a partial 16-wide d_e tile (for
+# Mosaic GPU, in one 64-row dK/dU/dV tile; its token tiles are 64 wide, 5 of them).
 FFN_SHAPE = dict(b=2, length=133, heads=2, d_h=8, experts=3, d_e=24)
 FFN_PATHS = {
     "reference": ffn_ops.mhffn_reference,
@@ -653,6 +655,11 @@ FFN_PATHS = {
     "triton": functools.partial(ffn_kernel.mhffn, interpret=True, backend="triton",
                                 block_q=32, block_inter=16, block_q_dkv=64),
 }
+if mosaic_gpu_available():  # jax >= 0.12; the interpreter raises at a race
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  FFN_PATHS["mosaic_gpu"] = functools.partial(
+      ffn_kernel.mhffn, interpret=plgpu.InterpretGPUParams(detect_races=True),
+      backend="mosaic_gpu", block_q=64, block_inter=16, block_q_dkv=32)
 FFN_NAMES = ("q", "r", "k", "u", "v")
 # Measured, every path: f32 forward <= 2.1e-7, gradients <= 2.4e-7; bf16 (q, k, u, v in bf16,
 # r float32) <= 2.9e-3 (the intermediate a and the output are rounded to bf16).
@@ -702,7 +709,7 @@ def ffn_run(path, dtype, grads):
   return jax.jit(run)(*args)
 
 
-@pytest.mark.parametrize("path", list(FFN_PATHS))
+@pytest.mark.parametrize("path", _params(FFN_PATHS, fast=("reference", "xla", "mosaic", "triton")))
 def test_mhffn_forward_and_grads(path):
   out, grads = ffn_run(path, F32, True)
   check(out, ind.mhffn(*FFN_INPUTS), rtol=FFN_TOL[F32], name=f"{path} out")

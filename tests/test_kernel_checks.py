@@ -11,6 +11,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.dispatch import mosaic_gpu_available
 from tests import kernel_checks
 
 X = jnp.arange(4 * 8 * 128, dtype=jnp.float32).reshape(32, 128)
@@ -64,3 +65,39 @@ def test_launch_count_is_checked():
   with pytest.raises(AssertionError, match="expected 2 race-checked kernel launches, saw 1"):
     with kernel_checks.races_checked(kernels=2):
       jax.block_until_ready(toy(False, cores=1)(X))
+
+
+# The Mosaic GPU interpreter (jax >= 0.12) checks its kernels itself: with detect_races it
+# raises at the first race. The FlashFFN tests rely on it catching a missing barrier wait.
+
+@functools.lru_cache(maxsize=None)
+def mosaic_gpu_toy(wait: bool):
+  """Loads a block into shared memory with TMA and doubles it; without `wait` it reads the
+  buffer before the copy's barrier says it has landed."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def body(x_ref, o_ref, x_s, bar):
+    plgpu.copy_gmem_to_smem(x_ref, x_s, bar.at[0])
+    if wait:
+      plgpu.barrier_wait(bar.at[0])
+    x_s[...] = 2 * x_s[...]
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(x_s, o_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+  return jax.jit(plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct(X.shape, X.dtype),
+      scratch_types=[plgpu.SMEM(X.shape, X.dtype), plgpu.Barrier(num_barriers=1)],
+      interpret=plgpu.InterpretGPUParams(detect_races=True)))
+
+
+@pytest.mark.skipif(not mosaic_gpu_available(), reason="Mosaic GPU needs jax >= 0.12")
+def test_mosaic_gpu_interpreter_flags_a_missing_barrier_wait():
+  assert bool(jnp.all(jax.block_until_ready(mosaic_gpu_toy(True)(X)) == 2 * X))
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  try:
+    with pytest.raises(Exception, match="RACE DETECTED"):
+      jax.block_until_ready(mosaic_gpu_toy(False)(X))
+  finally:  # the interpreter must be reset after a kernel raised
+    interpret_pallas_call.reset_gpu_interpret_mode_state()
+  assert bool(jnp.all(jax.block_until_ready(mosaic_gpu_toy(True)(X)) == 2 * X))

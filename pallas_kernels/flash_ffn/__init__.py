@@ -9,10 +9,12 @@ one over (e, c) tiles loops over all tokens for dK, dU, dV.
 
 Files: `blocks.py` (tile sizes and the per-chip tuned table), `tiles.py` (tile math and
 the tile plan, shared), `mosaic.py` (TPU: reductions on "arbitrary" grid axes with VMEM
-accumulators), `triton.py` (GPU: reductions as fori_loops inside each program).
+accumulators), `triton.py` (GPU: reductions as fori_loops inside each program),
+`mosaic_gpu.py` (Hopper GPUs, jax >= 0.12: TMA pipelines and WGMMA).
 
 `mhffn` is the one public entry point. It dispatches with `jax.lax.platform_dependent`:
-Mosaic on TPU, Triton on GPU, the Mosaic kernel in interpret mode elsewhere (CPU). For
+Mosaic on TPU; on a CUDA GPU Mosaic GPU for Hopper and Triton otherwise
+(`dispatch.gpu_backend`); the Mosaic kernel in interpret mode elsewhere (CPU). For
 the backward it keeps (q, r^T, K, U, V) with the router transposed to [H, E, T], tokens
 on the lane axis (see `tiles.py`), never the [T, H, E] form a TPU pads to 128 lanes.
 """
@@ -26,13 +28,13 @@ import jax.numpy as jnp
 
 from jaxops.flash_ffn import check_mhffn_inputs
 from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
-from pallas_kernels.flash_ffn import mosaic, triton
+from pallas_kernels.flash_ffn import mosaic, mosaic_gpu, triton
 from pallas_kernels.flash_ffn.blocks import TUNED, BlockSizes
 from pallas_kernels.flash_ffn.tiles import TilePlan
 
 __all__ = ["BlockSizes", "TUNED", "mhffn"]
 
-_KERNELS = {"mosaic": mosaic, "triton": triton}
+_KERNELS = {"mosaic": mosaic, "triton": triton, "mosaic_gpu": mosaic_gpu}
 
 
 def _forward(backend: Backend, interpret, blocks: BlockSizes, q, r_t, k, u, v):
@@ -79,10 +81,12 @@ def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **bl
     q: [B, L, H, d_h] per-head inputs (float32 or bfloat16).
     r: [B, L, H, E] normalized router weights.
     k, u, v: [H, E, d_e, d_h] gate / up / down tables (q's dtype).
-    interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Triton);
-      True (or a `pltpu.InterpretParams`) interprets everywhere; False never interprets.
-    backend: force one lowering ("mosaic" or "triton"); with `interpret` this runs the
-      other platform's kernel body on CPU.
+    interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Mosaic GPU on
+      Hopper, Triton otherwise); True (or the backend's interpreter params,
+      `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`) interprets everywhere; False
+      never interprets.
+    backend: force one lowering ("mosaic", "triton" or "mosaic_gpu", the last on jax >=
+      0.12); with `interpret` this runs the other platform's kernel body on CPU.
     **block_sizes: overrides of `BlockSizes` fields (block_q, block_inter, block_q_dkv,
       num_warps, num_warps_dkv, num_stages); the defaults come from `TUNED` for the chip
       and dtype.
@@ -92,5 +96,5 @@ def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **bl
   """
   check_mhffn_inputs(q, r, k, u, v)
   cfg = KernelConfig.make("mhffn", BlockSizes, backend=backend, interpret=interpret,
-                          block_sizes=block_sizes)
+                          block_sizes=block_sizes, backends=("mosaic", "triton", "mosaic_gpu"))
   return _mhffn(q, r, k, u, v, cfg)

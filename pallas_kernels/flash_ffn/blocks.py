@@ -18,10 +18,12 @@ class BlockSizes:
 
   block_q: tokens per tile of the forward and dq kernels. Mosaic: a multiple of 128
     (tokens are the lane axis of the router block) unless one tile holds every token.
+    Mosaic GPU: a multiple of 64 (WGMMA's M).
   block_inter: d_e columns per (expert, d_e tile) step of the reduction; the dK/dU/dV
-    kernel owns one such tile per program.
+    kernel owns one such tile per program. Mosaic GPU: a multiple of 64.
   block_q_dkv: tokens per step of the dK/dU/dV kernel's token loop (same rule as block_q).
   num_warps, num_stages: Triton launch parameters per kernel (ignored by Mosaic).
+    Mosaic GPU: num_stages is the depth of its TMA pipelines (buffers per streamed tile).
   """
 
   block_q: int = 256
@@ -50,4 +52,11 @@ TUNED = {
     ("mosaic", "tpu-v6e", "float32"): BlockSizes(block_q=512, block_inter=256, block_q_dkv=512),
     ("triton", None, "float32"): _TRITON_F32,
     ("triton", None, "bfloat16"): _TRITON_BF16,
+    # Mosaic GPU (Hopper): one warpgroup per block, float32 accumulators in registers
+    # (255 per thread at most; ptxas spills beyond). Float32 also streams transposed copies
+    # (TF32 WGMMA wants K-major operands) and needs smaller tiles.
+    ("mosaic_gpu", None, "float32"): BlockSizes(block_q=64, block_inter=16, block_q_dkv=16,
+                                                num_stages=2),
+    ("mosaic_gpu", None, "bfloat16"): BlockSizes(block_q=64, block_inter=32, block_q_dkv=32,
+                                                 num_stages=2),
 }

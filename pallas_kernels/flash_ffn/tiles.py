@@ -32,6 +32,21 @@ from pallas_kernels.flash_ffn.blocks import BlockSizes
 _F32 = jnp.float32
 
 
+def weighted_activation(m, n, r_e):
+  """r_e silu(m) n: one tile's weighted activation from its gate and up scores, float32."""
+  return m * jax.nn.sigmoid(m) * n * r_e
+
+
+def activation_grads(m, n, da, r_e):
+  """(a, dm, dn) of one tile from its scores m, n and the activation's cotangent da, float32.
+
+  a = silu(m) n is unweighted (dr_e = rowsum(da a)); dm and dn include the weight r_e."""
+  sig = jax.nn.sigmoid(m)
+  silu = m * sig
+  g = r_e * da
+  return silu * n, g * n * sig * (1.0 + m * (1.0 - sig)), g * silu
+
+
 @dataclasses.dataclass(frozen=True)
 class Orientation:
   """Which way round a tile is computed.
@@ -81,18 +96,14 @@ class Orientation:
 
   def forward(self, q, r_e, k, u, v):
     """One (expert, d_e tile)'s contribution to the output, [bq, d_h] float32."""
-    m, n = self.scores(q, k), self.scores(q, u)
-    a = m * jax.nn.sigmoid(m) * n * r_e
+    a = weighted_activation(self.scores(q, k), self.scores(q, u), r_e)
     return self.to_tokens(a.astype(v.dtype), v)
 
   def _recompute(self, q, r_e, ds, k, u, v):
     """(a, da, dm, dn) of one tile, float32."""
-    m, n = self.scores(q, k), self.scores(q, u)
-    sig = jax.nn.sigmoid(m)
-    silu = m * sig
     da = self.scores(ds, v)
-    g = r_e * da
-    return silu * n, da, g * n * sig * (1.0 + m * (1.0 - sig)), g * silu
+    a, dm, dn = activation_grads(self.scores(q, k), self.scores(q, u), da, r_e)
+    return a, da, dm, dn
 
   def dq_dr(self, q, r_e, ds, k, u, v):
     """(dq [bq, d_h], dr_e per token) of one (expert, d_e tile), float32."""
@@ -111,12 +122,20 @@ class Orientation:
 # The tile plan: fitted tile sizes, padded extents and array layouts. Token arrays
 # (q, ds, o, dq) are "flat" [T, H * d_h], a free reshape of [B, L, H, d_h] whose blocks
 # are (tokens, d_h) at column block h, where that block is legal (Mosaic: d_h % 128 == 0;
-# Triton: d_h a power of two), else head-major [H, T, d_h]. The router is [H, E, T]
-# (Mosaic) or [H, T, E_pad] (Triton), matching the orientation of the tiles.
+# Triton: d_h a power of two; Mosaic GPU: d_h unpadded), else head-major [H, T, d_h]. The
+# router is [H, E, T] (Mosaic, Mosaic GPU) or [H, T, E_pad] (Triton). `orient` is the
+# orientation of the Mosaic and Triton tiles and, for every backend, of the router
+# (Mosaic GPU computes [tokens, rows] tiles from a tokens-last router).
 # Tables stay [H, E, d_e, d_h]. Inside the kernels every block is 2-D.
 # ----------------------------------------------------------------------------
 
 def _fit_tokens(backend: Backend, name: str, block: int, tokens: int) -> int:
+  if backend == "mosaic_gpu":  # WGMMA: M a multiple of 64 (block_q); N, K of 16 (block_q_dkv)
+    multiple = 64 if name == "block_q" else 16
+    if block % multiple:
+      raise ValueError(f"mhffn: Mosaic GPU block size `{name}` must be a multiple of "
+                       f"{multiple}, got {block}")
+    return min(block, round_up(tokens, multiple))
   if backend == "triton":  # power-of-two tiles, >= 16 for tl.dot
     if block & (block - 1) or block < 16:
       raise ValueError(f"mhffn: Triton block size `{name}` must be a power of two >= 16, "
@@ -137,10 +156,11 @@ class TilePlan:
   blocks: BlockSizes
   heads: int
   tokens: int        # padded to a multiple of both token tiles
-  d_h: int           # padded (Triton: a power of two)
+  d_h: int           # padded (Triton: a power of two; Mosaic GPU: a multiple of 32 bytes)
   experts: int       # the real E (the reduction runs over these only)
   experts_pad: int   # rows of the router array (Triton: a power of two)
-  d_e: int           # padded to a multiple of block_inter
+  d_e: int           # padded to a multiple of block_inter and rows_dkuv
+  rows_dkuv: int     # table rows per dK/dU/dV program (block_inter; Mosaic GPU: >= 64)
   flat: bool
   orient: Orientation        # forward and dq kernels
   orient_dkuv: Orientation   # dK/dU/dV kernel
@@ -159,18 +179,35 @@ class TilePlan:
                          f"got {blocks.block_inter}")
       padded_d_h, experts_pad = next_pow2(d_h), next_pow2(experts, minimum=1)
       flat = padded_d_h == d_h
+    elif backend == "mosaic_gpu":
+      # block_inter is an N and a K of WGMMA in the forward and dq kernels; the dK/dU/dV
+      # kernel's table rows are its M, a multiple of 64 (`rows_dkuv`). d_h is a K and an N
+      # (at most 256) and a shared-memory minor dim: a multiple of 32 bytes.
+      bi = blocks.block_inter
+      if bi % 16 or (bi < 64 and 64 % bi) or (bi > 64 and bi % 64):
+        raise ValueError(f"mhffn: Mosaic GPU block size `block_inter` must be 16, 32 or a "
+                         f"multiple of 64, got {bi}")
+      bi = min(bi, round_up(d_e, 64))
+      rows_dkuv = max(bi, 64)
+      padded_d_h = round_up(d_h, 32 // q.dtype.itemsize)
+      if padded_d_h > 256:
+        raise ValueError(f"mhffn: the Mosaic GPU kernel needs d_h <= 256, got {d_h}")
+      experts_pad, flat = experts, padded_d_h == d_h
     else:
       bi = min(blocks.block_inter, d_e)
       if bi % 8:
         raise ValueError(f"mhffn: Mosaic block size `block_inter` must be a multiple of 8, "
                          f"got {blocks.block_inter}")
       padded_d_h, experts_pad, flat = d_h, experts, d_h % 128 == 0 or heads == 1
+    if backend != "mosaic_gpu":
+      rows_dkuv = bi
     tile = max(bq, bk)
     if tile % bq or tile % bk:
       raise ValueError(f"mhffn: block_q ({bq}) and block_q_dkv ({bk}) must divide one another")
     return cls(dataclasses.replace(blocks, block_q=bq, block_inter=bi, block_q_dkv=bk), heads,
-               round_up(tokens, tile), padded_d_h, experts, experts_pad, round_up(d_e, bi),
-               flat, Orientation(transposed=backend == "mosaic"), Orientation(transposed=True))
+               round_up(tokens, tile), padded_d_h, experts, experts_pad,
+               round_up(d_e, rows_dkuv), rows_dkuv, flat,
+               Orientation(transposed=backend != "triton"), Orientation(transposed=True))
 
   # Array layout in and out of the kernels.
 
