@@ -10,7 +10,7 @@ CONSTRAINTS := constraints/py312-jax012.txt
 LOWEST_CONSTRAINTS := constraints/py311-jax010.txt
 
 .PHONY: setup setup-lowest test test-lowest test-slow mutants demo bench clean aot-setup \
-        compile-check compile-check-tpu memory-aot lock
+        compile-check compile-check-tpu compile-check-gpu memory-aot lock
 
 setup:
 	@tools/venv.sh $(VENV) 3.12 $(CONSTRAINTS) dev
@@ -61,6 +61,11 @@ compile-check: setup aot-setup
 # The TPU half alone (what CI runs after the tests; the GPU half is `make compile-check`).
 compile-check-tpu: setup $(AOT_TPU)
 	$(PY) -m benchmarks.aot.check --targets=tpu-v5e,tpu-v6e --out=benchmarks/aot/results-tpu
+
+# The GPU half alone (A100: Triton; H100/H200: Mosaic GPU for FlashFFN, Triton for the rest),
+# its rows merged into the table with the TPU rows of the last full run.
+compile-check-gpu: setup $(AOT_GPU)
+	$(PY) -m benchmarks.aot.check --targets=gpu-a100,gpu-h100,gpu-h200 --merge --readme
 
 # FlashFFN vs SwiGLU fwd+bwd memory from the TPU and GPU compilers' memory analysis.
 memory-aot: aot-setup

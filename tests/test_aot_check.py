@@ -63,6 +63,34 @@ def test_dump_parsers(tmp_path):
   assert report.requested_shared_memory(error) == 917504
 
 
+MOSAIC_PTXAS = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'flash_ffn_bwd_dq_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for flash_ffn_bwd_dq_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 180 registers, used 2 barriers, 1 bytes smem
+ptxas info    : Compile time = 220.886 ms
+"""
+MOSAIC_RESOURCES = ("Resources(smem_scratch_bytes={}, tmem_scratch_cols=0, "
+                    "tmem_collective_scratch_cols=0, barrier_counts=Counter(), "
+                    "scoped_gmem_semaphores={{}})")
+
+
+def test_mosaic_gpu_dump_parser(tmp_path):
+  """Mosaic GPU's dump numbers lowering and compile files separately (dq_1.ptxas goes with
+  dq_2.resources.txt); a kernel compiled in an earlier case has resources but no ptxas."""
+  (tmp_path / "flash_ffn_bwd_dq_1.ptxas").write_text(MOSAIC_PTXAS)
+  (tmp_path / "flash_ffn_bwd_dq_2.resources.txt").write_text(MOSAIC_RESOURCES.format(98304))
+  (tmp_path / "flash_ffn_fwd_1.resources.txt").write_text(MOSAIC_RESOURCES.format(72704))
+  assert report.mosaic_gpu(tmp_path) == {
+      "flash_ffn_bwd_dq_mosaic_gpu_kernel": dict(
+          stack=0, spill_stores=0, spill_loads=0, registers=180, ptxas_ms=220.886, smem=98304),
+      "flash_ffn_fwd_mosaic_gpu_kernel": dict(smem=72704)}
+  error = ("ValueError: Mosaic GPU kernel exceeds available shared memory: "
+           "smem_bytes=248864 > max_smem_bytes=232448")
+  assert report.requested_shared_memory(error) == 248864
+
+
 def _result(**overrides):
   r = {"case": "pack3d/65k/grad/float32", "target": "gpu-a100", "status": "ok",
        "expect_failure": False, "compile_s": 7.0, "hbm_temp": 2**20,
@@ -84,6 +112,8 @@ def _result(**overrides):
     # an oversized block must be refused for its memory, and for nothing else
     ({"expect_failure": True, "status": "error",
       "error": "JaxRuntimeError: RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom"}, ""),
+    ({"expect_failure": True, "status": "error", "error": "ValueError: Mosaic GPU kernel exceeds "
+      "available shared memory: smem_bytes=1674288 > max_smem_bytes=232448"}, ""),
     ({"expect_failure": True},
      "an oversized block was not refused for its memory"),
     ({"expect_failure": True, "status": "error", "error": "ValueError: bad block"},
@@ -117,6 +147,10 @@ def test_cases_cover_the_issue_shapes_and_round_trip():
     assert sum(c.expect_failure for c in every) == 1
     for c in every:
       assert cases.parse(c.name) == c
+  hopper = cases.all_cases("gpu", hopper=True)
+  assert [c.backend for c in hopper if c.expect_failure] == ["", "mosaic_gpu"]
+  for c in hopper:
+    assert cases.parse(c.name) == c
   assert cases.SHAPES["flash_ffn"]["370m"] == dict(b=1, l=16384, h=8, d=128, e=11, f=256)
   assert cases.SHAPES["pack3d"]["65k"]["b"] == 2
   assert cases.SHAPES["frac_scan"]["16k"] == dict(b=1, l=16384, h=4, p=64, n=16, m=16)

@@ -17,6 +17,9 @@ dtype. Shapes are the paper's and the configs' (the ones a user runs):
   frac_scan  16k    B=1 L=16384 H=4 P=64 N=16 M=16
              lm     configs/lm_default.py: B=8 L=128 H=4 P=32 N=16 M=default(128)=12
 
+The kernel body is the one `backend=None` picks for the target (Triton on A100, Mosaic GPU
+for FlashFFN on H100/H200, Mosaic on TPU); a case may force one ("...@triton").
+
 `oversized` cases ask for blocks no chip can hold; the check expects them to FAIL (the
 proof that a kernel that does not fit is caught).
 """
@@ -35,11 +38,13 @@ class Case:
   dtype: str              # "float32" or "bfloat16"
   blocks: tuple = ()      # block-size overrides, (name, value) pairs
   expect_failure: bool = False
+  backend: str = ""       # a forced kernel body; "" for what backend=None picks
 
   @property
   def name(self) -> str:
     extra = "+" + ",".join(f"{k}={v}" for k, v in self.blocks) if self.blocks else ""
-    return f"{self.op}/{self.shape}/{self.direction}/{self.dtype}{extra}"
+    forced = f"@{self.backend}" if self.backend else ""
+    return f"{self.op}/{self.shape}/{self.direction}/{self.dtype}{forced}{extra}"
 
   @property
   def kernel_prefix(self) -> str:
@@ -59,46 +64,52 @@ SHAPES = {
                   "lm": dict(b=8, l=128, h=4, p=32, n=16, m=12)},
 }
 
-# Blocks far beyond any chip's on-chip memory, one per backend's limiting resource.
+# Blocks far beyond any chip's on-chip memory, one per backend's limiting resource
+# ("hopper": the Mosaic GPU kernel, which H100/H200 compile besides the Triton one).
 OVERSIZED = {
     "tpu": Case("flash_ffn", "370m", "fwd", "float32", (("block_q", 16384),), True),
     "gpu": Case("flash_ffn", "370m", "fwd", "float32",
                 (("block_q", 256), ("block_inter", 256)), True),
+    "hopper": Case("flash_ffn", "370m", "fwd", "float32",
+                   (("block_inter", 256), ("num_stages", 4)), True, backend="mosaic_gpu"),
 }
 
 
 def parse(name: str) -> Case:
-  """The inverse of `Case.name` ("op/shape/direction/dtype[+block=value,...]")."""
+  """The inverse of `Case.name` ("op/shape/direction/dtype[@backend][+block=value,...]")."""
   base, _, extra = name.partition("+")
+  base, _, backend = base.partition("@")
   op, shape, direction, dtype = base.split("/")
   blocks = tuple((k, int(v)) for k, v in (kv.split("=") for kv in extra.split(",") if kv))
   expect_failure = any(c.name == name and c.expect_failure for c in OVERSIZED.values())
-  return Case(op, shape, direction, dtype, blocks, expect_failure)
+  return Case(op, shape, direction, dtype, blocks, expect_failure, backend)
 
 
-def all_cases(kind: str, ops=None) -> list[Case]:
+def all_cases(kind: str, ops=None, hopper: bool = False) -> list[Case]:
   """Every shape x direction x dtype of the given ops (far-offset shapes: grad only), plus the
-  target kind's oversized case."""
+  target kind's oversized case (and the Mosaic GPU one on a Hopper target)."""
   cases = [Case(op, shape, direction, dtype)
            for op, shapes in SHAPES.items() if ops is None or op in ops
            for shape, sizes in shapes.items()
            for direction in (("grad",) if sizes.get("far_offset") else ("fwd", "grad"))
            for dtype in ("float32", "bfloat16")]
-  return cases + [OVERSIZED[kind]]
+  return cases + [OVERSIZED[kind]] + ([OVERSIZED["hopper"]] if hopper else [])
 
 
 def build(case: Case, kind: str):
   """(fn, [(shape, dtype), ...]): the jittable function and its argument specs.
 
-  Block-size overrides go to the target kind's backend only (with backend=None, both
-  platform branches are traced, and a Triton tile need not suit Mosaic)."""
+  A forced backend, or block-size overrides (which go to the target kind's Triton or Mosaic
+  body: with backend=None every platform branch is traced, and a Triton tile need not suit
+  Mosaic), compile that kernel body with interpret=False."""
   import jax
   import jax.numpy as jnp
 
   dtype = jnp.dtype(case.dtype)
   blocks = dict(case.blocks)
-  if blocks:
-    blocks["backend"] = {"tpu": "mosaic", "gpu": "triton"}[kind]
+  if blocks or case.backend:
+    blocks["backend"] = case.backend or {"tpu": "mosaic", "gpu": "triton"}[kind]
+    blocks["interpret"] = False
   s = SHAPES[case.op][case.shape]
   if case.op == "flash_ffn":
     from pallas_kernels.flash_ffn import mhffn

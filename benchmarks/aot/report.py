@@ -4,7 +4,10 @@
   thread, spill stores/loads and stack frame bytes, ptxas time, per entry function.
 - XLA GPU dump `*thunk_sequence.txt`: shared memory per kernel launch.
 - XLA TPU dump `*after_codegen.txt`: the scoped VMEM each Mosaic custom call uses.
-Kernels are named by the `name=` given to `pl.pallas_call`.
+- Mosaic GPU dump (MOSAIC_GPU_DUMP_TO): per kernel module `<name>_<i>.ptxas` (ptxas -v for
+  its entry function `<name>_mosaic_gpu_kernel`) and `<name>_<i>.resources.txt` (its
+  `smem_scratch_bytes`). XLA's thunk sequence shows only a custom call for these.
+Kernels are named by the `name=` given to `pl.pallas_call` (`kernel_name=` of `plgpu.kernel`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ _TPU_CALL = re.compile(r"%([\w.-]+) = .*custom_call_target=\"tpu_custom_call\"")
 _SCOPED = re.compile(r"\"used_scoped_memory_configs\":\[([^\]]*)\]")
 _SIZE = re.compile(r"\"size\":\"(\d+)\"")
 _REQUESTED = re.compile(r"requested (\d+)")
+_MOSAIC_SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
+_MOSAIC_SMEM_ERROR = re.compile(r"exceeds available shared memory: smem_bytes=(\d+)")
 
 
 def ptxas(text: str) -> dict:
@@ -63,7 +68,23 @@ def tpu_scoped_vmem(dump: pathlib.Path) -> dict:
   return out
 
 
+def mosaic_gpu(dump: pathlib.Path) -> dict:
+  """{entry function: {registers, spills, ..., smem}} for every Mosaic GPU kernel in a
+  MOSAIC_GPU_DUMP_TO directory holding one program's kernels. Files are numbered per dump
+  (lowering and compile count separately), so a kernel's files pair by its name."""
+  smem = {}
+  for path in dump.glob("*.resources.txt"):
+    if m := _MOSAIC_SMEM.search(path.read_text()):
+      smem[path.name.removesuffix(".resources.txt").rsplit("_", 1)[0]] = int(m.group(1))
+  out = {}
+  for path in sorted(dump.glob("*.ptxas")):
+    out.update(ptxas(path.read_text()))
+  for name, kernel in smem.items():  # a kernel compiled earlier in the process has no .ptxas
+    out.setdefault(f"{name}_mosaic_gpu_kernel", {})["smem"] = kernel
+  return out
+
+
 def requested_shared_memory(error: str) -> int | None:
-  """The shared memory a failing GPU kernel asked for, from XLA's error message."""
-  m = _REQUESTED.search(error)
+  """The shared memory a failing GPU kernel asked for, from XLA's or Mosaic GPU's error."""
+  m = _REQUESTED.search(error) or _MOSAIC_SMEM_ERROR.search(error)
   return int(m.group(1)) if m else None

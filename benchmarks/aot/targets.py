@@ -7,7 +7,9 @@ GPU: XLA's `GpuTargetConfig` text protos (copied from openxla/xla
 0.10.2 does not parse; 0.12 reads them as they are) give the CUDA plugin the device it
 compiles for; Pallas reads the compute capability from the GPU model named in their
 `device_description_str`; `shared_memory_per_block_optin` is the per-block shared-memory
-limit a kernel must fit.
+limit a kernel must fit. On Hopper targets (jax >= 0.12) FlashFFN compiles as a Mosaic GPU
+kernel: Mosaic turns it into PTX and runs ptxas during XLA's compile, and checks its shared
+memory against the limit set with `artificial_shared_memory_limit` (see worker.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Target:
   # The per-kernel on-chip memory limit the compiler enforces: shared memory per block
   # (GPU); default scoped VMEM (TPU; raise it with CompilerParams(vmem_limit_bytes=...)).
   on_chip_limit: int
+  hopper: bool = False    # WGMMA and TMA: where the Mosaic GPU kernels run
 
   @property
   def venv(self) -> str:
@@ -37,8 +40,8 @@ TARGETS = {t.name: t for t in (
     Target("tpu-v5e", "tpu", "v5e:2x2", 16 * 2**20),
     Target("tpu-v6e", "tpu", "v6e:2x2", 32 * 2**20),
     Target("gpu-a100", "gpu", "a100_sxm_80.txtpb", 166_912),
-    Target("gpu-h100", "gpu", "h100_sxm.txtpb", 232_448),
-    Target("gpu-h200", "gpu", "h200.txtpb", 232_448),
+    Target("gpu-h100", "gpu", "h100_sxm.txtpb", 232_448, hopper=True),
+    Target("gpu-h200", "gpu", "h200.txtpb", 232_448, hopper=True),
 )}
 
 
@@ -52,6 +55,8 @@ def environment(target: Target) -> dict:
     env["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"   # no CUDA driver to check
     env["TF_CPP_MIN_LOG_LEVEL"] = "0"              # ptxas -v report on stderr
     env["TF_CPP_VMODULE"] = "subprocess_compilation=3"
+    # Mosaic GPU kernels: ptxas' report and the resources (shared memory) of each kernel go
+    # to files under MOSAIC_GPU_DUMP_TO, which the worker sets per case.
   return env
 
 

@@ -3,7 +3,8 @@
   python -m benchmarks.aot.worker --target=gpu-h200 --cases="flash_ffn/370m/fwd/float32;..."
 
 Prints one line per case: `START <case>` before it, then `RESULT <json>`. The backend's
-own reports (ptxas -v on stderr; XLA dumps) are captured per case and parsed here.
+own reports (ptxas -v on stderr; XLA dumps; Mosaic GPU's dumps) are captured per case and
+parsed here.
 """
 
 from __future__ import annotations
@@ -45,6 +46,31 @@ def _stderr_to(path: pathlib.Path):
       os.close(saved)
 
 
+def _ptxas_first_on_path() -> None:
+  """Mosaic GPU runs the first ptxas on PATH (XLA finds the venv's own): the venv's."""
+  try:
+    import nvidia.cuda_nvcc
+  except ImportError:
+    return
+  bin_dir = pathlib.Path(list(nvidia.cuda_nvcc.__path__)[0]) / "bin"
+  os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@contextlib.contextmanager
+def _gpu_target(target, mesh):
+  """What a Mosaic GPU compile needs to be for the described GPU and not the host: the
+  target as default device (or Mosaic assumes compute capability 9.0) and its per-block
+  shared-memory limit (or Mosaic checks against the CPU device's)."""
+  import jax
+  try:
+    from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
+    limit = mosaic_gpu_core.artificial_shared_memory_limit(target.on_chip_limit)
+  except (ImportError, AttributeError):  # a JAX without it (0.10): no Mosaic GPU kernels
+    limit = contextlib.nullcontext()
+  with jax.default_device(mesh.devices.flat[0]), limit:
+    yield
+
+
 def compile_case(target, mesh, case: cases_lib.Case) -> dict:
   import jax
   from jax.sharding import NamedSharding, PartitionSpec
@@ -60,9 +86,14 @@ def compile_case(target, mesh, case: cases_lib.Case) -> dict:
   args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in specs]
   with tempfile.TemporaryDirectory() as tmp:
     dump, log = pathlib.Path(tmp) / "dump", pathlib.Path(tmp) / "stderr.txt"
+    # Mosaic GPU reads MOSAIC_GPU_DUMP_TO once per process (main sets it): empty it per case.
+    mosaic_dump = pathlib.Path(os.environ.get("MOSAIC_GPU_DUMP_TO", pathlib.Path(tmp) / "none"))
+    for path in mosaic_dump.glob("*"):
+      path.unlink()
+    gpu = _gpu_target(target, mesh) if target.kind == "gpu" else contextlib.nullcontext()
     start, cpu_start = time.perf_counter(), _cpu_seconds()
     try:
-      with _stderr_to(log), chip, jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      with _stderr_to(log), chip, gpu, jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         compiled = jax.jit(fn).lower(*args).compile({"xla_dump_to": str(dump)})
     except Exception as e:  # noqa: BLE001  (the compiler's verdict is the result)
       result.update(status="error", error=f"{type(e).__name__}: {e}"[:2000],
@@ -81,6 +112,7 @@ def compile_case(target, mesh, case: cases_lib.Case) -> dict:
       kernels = {k: dict(v) for k, v in ours(report.ptxas(log.read_text())).items()}
       for k, smem in ours(report.gpu_shared_memory(dump)).items():
         kernels.setdefault(k, {})["smem"] = smem
+      kernels.update(ours(report.mosaic_gpu(mosaic_dump)))
     result["kernels"] = kernels
   return result
 
@@ -93,9 +125,18 @@ def main(argv=None):
   target = TARGETS[args.target]
   for key, value in environment(target).items():
     os.environ.setdefault(key, value)
+  if target.kind == "gpu":
+    _ptxas_first_on_path()
+  with tempfile.TemporaryDirectory() as mosaic_dump:
+    if target.kind == "gpu":  # before jax starts: Mosaic GPU reads it once
+      os.environ["MOSAIC_GPU_DUMP_TO"] = mosaic_dump
+    _compile_all(target, args.cases.split(";"))
+
+
+def _compile_all(target, names):
   from benchmarks.aot.targets import device_mesh
   mesh = device_mesh(target)
-  for name in args.cases.split(";"):
+  for name in names:
     print("START", name, flush=True)
     result = compile_case(target, mesh, cases_lib.parse(name))
     print("RESULT", json.dumps(result), flush=True)
