@@ -1,13 +1,20 @@
-"""FlashFFN on a GPU: compiled Triton kernel vs reference, and fwd+bwd time vs SwiGLU.
+"""FlashFFN on a GPU: each compiled kernel body (Triton; Mosaic GPU on Hopper) against the
+float32 reference, then fwd and fwd+bwd time side by side with the XLA path and SwiGLU.
 
 Run by benchmarks/gpu_check.sh; prints one line per check, exits non-zero on a mismatch.
   python -m benchmarks.gpu_flash_ffn
-On a machine without a GPU the kernel runs interpreted on a short sequence (a smoke test).
+On a machine without a GPU the kernels run interpreted on a short sequence (a smoke test).
+
+Shapes: the paper's 370M model (d = 1024, H = 8, d_h = 128, E = 11, d_e = 256; its SwiGLU
+has d_ff = 2752). Op rows time `mhffn` alone on [B, L, H, d_h] inputs, with TFLOP/s from
+6 B L H E d_e d_h forward FLOPs (three matmuls) and 3x that for fwd+bwd; layer rows time
+the whole layers (FlashFFN adds its [d, d] in and out projections).
 """
 
 from __future__ import annotations
 
 import functools
+import subprocess
 import sys
 
 import jax
@@ -17,31 +24,78 @@ from flax import nnx
 from benchmarks.common import report_errors, wall_seconds
 from jaxops import flash_ffn as ops
 from models import FlashFFN, SwiGLU
+from pallas_kernels import dispatch
 from pallas_kernels import flash_ffn as kernel
 
 D, HEADS, EXPERTS, D_E, D_FF_SWIGLU = 1024, 8, 11, 256, 2752
+D_H = D // HEADS
 ON_GPU = jax.default_backend() == "gpu"
 
 
-def check(dtype, length, tol) -> bool:
-  ks = jax.random.split(jax.random.key(0), 5)
-  q = jax.random.normal(ks[0], (1, length, HEADS, D // HEADS)).astype(dtype)
-  r = jax.nn.softmax(jax.random.normal(ks[1], (1, length, HEADS, EXPERTS)))
-  k, u, v = (0.05 * jax.random.normal(kk, (HEADS, EXPERTS, D_E, D // HEADS)).astype(dtype)
+def gpu_backends() -> tuple[str, ...]:
+  """The kernel bodies this GPU compiles: Triton everywhere, Mosaic GPU on Hopper."""
+  hopper = (dispatch.compute_capability() or (0, 0))[0] == 9
+  return ("triton",) + (("mosaic_gpu",) if hopper and dispatch.mosaic_gpu_available() else ())
+
+
+def op_inputs(batch: int, length: int, dtype, seed: int = 0):
+  ks = jax.random.split(jax.random.key(seed), 5)
+  q = jax.random.normal(ks[0], (batch, length, HEADS, D_H)).astype(dtype)
+  r = jax.nn.softmax(jax.random.normal(ks[1], (batch, length, HEADS, EXPERTS)))
+  k, u, v = (0.05 * jax.random.normal(kk, (HEADS, EXPERTS, D_E, D_H)).astype(dtype)
              for kk in ks[2:])
+  return q, r, k, u, v
+
+
+def check(backend, dtype, length, tol) -> bool:
+  """Output and the five gradients of one kernel body against the float32 reference."""
+  args = op_inputs(1, length, dtype)
   loss = lambda op, *a: jnp.sum(jnp.sin(op(*a).astype(jnp.float32)))
-  grads = lambda op: jax.jit(jax.grad(functools.partial(loss, op), argnums=range(5)))
-  fast = grads(functools.partial(kernel.mhffn, interpret=None if ON_GPU else True))(q, r, k, u, v)
-  ref = grads(ops.mhffn_reference)(*(a.astype(jnp.float32) for a in (q, r, k, u, v)))
-  return report_errors(f"{jnp.dtype(dtype).name} L={length}", [f"d{n}" for n in "qrkuv"],
-                       fast, ref, tol)
+  run = lambda op: jax.jit(lambda *a: (op(*a), jax.grad(functools.partial(loss, op),
+                                                        argnums=range(5))(*a)))
+  interpret = None if ON_GPU else True
+  fast = run(functools.partial(kernel.mhffn, backend=backend, interpret=interpret))(*args)
+  ref = run(ops.mhffn_reference)(*(a.astype(jnp.float32) for a in args))
+  return report_errors(f"{backend} {jnp.dtype(dtype).name} L={length}",
+                       ["o"] + [f"d{n}" for n in "qrkuv"], jax.tree.leaves(fast),
+                       jax.tree.leaves(ref), tol)
 
 
-def timing(length: int, dtype) -> None:
+def fwd_and_step(fn):
+  """fn(*args) -> array, and the gradient step of sum(fn(*args)^2) in every argument."""
+  return fn, lambda *a: jax.grad(lambda *b: jnp.sum(fn(*b).astype(jnp.float32) ** 2),
+                                 argnums=tuple(range(len(a))))(*a)
+
+
+def time_ops(batch: int, length: int, dtype, backends) -> None:
+  """mhffn per kernel body and the chunked XLA path, side by side."""
+  args = op_inputs(batch, length, dtype, seed=1)
+  flops = 6 * batch * length * HEADS * EXPERTS * D_E * D_H
+  paths = {f"mhffn {b}": functools.partial(kernel.mhffn, backend=b, interpret=False)
+           for b in backends}
+  paths["mhffn XLA chunked"] = ops.mhffn
+  times = {}
+  for name, op in paths.items():
+    fwd, step = fwd_and_step(op)
+    try:
+      times[name] = (wall_seconds(fwd, *args, repeats=10), wall_seconds(step, *args, repeats=10))
+    except Exception as e:  # noqa: BLE001  (a benchmark reports a failure and goes on)
+      print(f"  B={batch} L={length} {name:22s} not run: {str(e).splitlines()[0][:160]}")
+  base = times.get("mhffn XLA chunked")
+  for name, (fwd_s, step_s) in times.items():
+    ratio = (f"XLA/this fwd {base[0] / fwd_s:.2f}x, fwd+bwd {base[1] / step_s:.2f}x"
+             if base else "")
+    print(f"  B={batch} L={length} {jnp.dtype(dtype).name} {name:22s} fwd {fwd_s * 1e3:7.2f} ms"
+          f" ({flops / fwd_s / 1e12:5.0f} TFLOP/s)  fwd+bwd {step_s * 1e3:7.2f} ms"
+          f" ({3 * flops / step_s / 1e12:5.0f} TFLOP/s)  {ratio}", flush=True)
+
+
+def time_layers(length: int, dtype) -> None:
+  """SwiGLU against the FlashFFN layer on its default kernel and on the XLA path."""
   x = jax.random.normal(jax.random.key(1), (1, length, D), dtype)
   layers = {
-      "SwiGLU": SwiGLU(D, D_FF_SWIGLU, dtype=dtype, rngs=nnx.Rngs(0)),
-      "FlashFFN Triton": FlashFFN(D, HEADS, EXPERTS, D_E, impl="pallas", interpret=False,
+      "SwiGLU (XLA)": SwiGLU(D, D_FF_SWIGLU, dtype=dtype, rngs=nnx.Rngs(0)),
+      "FlashFFN kernel": FlashFFN(D, HEADS, EXPERTS, D_E, impl="pallas", interpret=False,
                                   dtype=dtype, rngs=nnx.Rngs(0)),
       "FlashFFN XLA": FlashFFN(D, HEADS, EXPERTS, D_E, impl="xla", dtype=dtype,
                                rngs=nnx.Rngs(0)),
@@ -49,26 +103,51 @@ def timing(length: int, dtype) -> None:
   times = {}
   for name, layer in layers.items():
     graphdef, params = nnx.split(layer)
-    fwd = lambda p, x: nnx.merge(graphdef, p)(x)
-    step = jax.grad(lambda p, x: jnp.sum(fwd(p, x).astype(jnp.float32) ** 2), argnums=(0, 1))
+    fwd, step = fwd_and_step(lambda p, x, g=graphdef: nnx.merge(g, p)(x))
     times[name] = (wall_seconds(fwd, params, x, repeats=10),
                    wall_seconds(step, params, x, repeats=10))
+  base = times["SwiGLU (XLA)"]
   for name, (fwd_s, step_s) in times.items():
     print(f"  L={length} {jnp.dtype(dtype).name} {name:16s} fwd {fwd_s * 1e3:7.2f} ms  "
-          f"fwd+bwd {step_s * 1e3:7.2f} ms  (SwiGLU/this fwd "
-          f"{times['SwiGLU'][0] / fwd_s:.2f}x, fwd+bwd {times['SwiGLU'][1] / step_s:.2f}x)")
+          f"fwd+bwd {step_s * 1e3:7.2f} ms  (SwiGLU/this fwd {base[0] / fwd_s:.2f}x, "
+          f"fwd+bwd {base[1] / step_s:.2f}x)", flush=True)
 
 
-def main() -> int:
+# (dtype, length, tolerance): float32 tiles run as TF32 products (as XLA's float32 dots on GPU
+# by default), so 1e-2; odd lengths exercise the padded last token tile.
+CHECKS = (("float32", 1024, 1e-2), ("float32", 1000, 1e-2), ("bfloat16", 4096, 5e-2),
+          ("bfloat16", 1000, 5e-2))
+
+
+def check_in_subprocess(backend: str, dtype: str, length: int, tol: float) -> bool:
+  """One check in its own process: a kernel fault (a CUDA error poisons the process's
+  context) is reported as that check's failure and the others still run."""
+  cmd = [sys.executable, "-m", "benchmarks.gpu_flash_ffn", "check", backend, dtype, str(length),
+         str(tol)]
+  done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  print(done.stdout, end="", flush=True)
+  if done.returncode != 0 and "(FAIL)" not in done.stdout:
+    errors = [l for l in done.stderr.splitlines() if "Error" in l or "error:" in l]
+    print(f"  {backend} {dtype} L={length}: crashed (exit {done.returncode}): "
+          f"{(errors or ['?'])[-1][:300]}", flush=True)
+  return done.returncode == 0
+
+
+def main(argv) -> int:
+  if argv[1:2] == ["check"]:  # one check, run by check_in_subprocess
+    backend, dtype, length, tol = argv[2:]
+    return 0 if check(backend, jnp.dtype(dtype), int(length), float(tol)) else 1
   print(f"FlashFFN d={D} H={HEADS} E={EXPERTS} d_e={D_E}, devices: {jax.devices()}")
-  if not ON_GPU:  # smoke test of this script: interpreted kernel, short sequence
-    return 0 if check(jnp.float32, 40, 1e-4) else 1
-  # float32 tiles go through tl.dot in TF32 (as XLA does on GPU by default): 1e-2.
-  ok = check(jnp.float32, 1000, 1e-2) & check(jnp.bfloat16, 4096, 5e-2)
+  if not ON_GPU:  # smoke test of this script: interpreted Mosaic kernel, short sequence
+    return 0 if check("mosaic", jnp.float32, 40, 1e-4) else 1
+  backends = gpu_backends()
+  print(f"  kernel bodies: {backends}; backend=None picks {dispatch.gpu_backend(backends)}")
+  ok = all([check_in_subprocess(b, *c) for b in backends for c in CHECKS])
+  time_ops(4, 16384, jnp.bfloat16, backends)
   for length in (4096, 16384):
-    timing(length, jnp.bfloat16)
+    time_layers(length, jnp.bfloat16)
   return 0 if ok else 1
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(main(sys.argv))

@@ -27,13 +27,13 @@ MOSAIC_BLOCKS = dict(block_q=128, block_inter=16, block_q_dkv=128)  # tokens: la
 # Mosaic GPU: 3 token tiles of 64 (WGMMA's M), d_e = 24 in 16-wide tiles padded to the
 # dK/dU/dV kernel's 64 rows (a full, a partial and an empty tile), 32-token dK/dU/dV steps.
 MOSAIC_GPU_BLOCKS = dict(block_q=64, block_inter=16, block_q_dkv=32)
-MOSAIC_GPU = mosaic_gpu_available()  # jax >= 0.12
-needs_mosaic_gpu = pytest.mark.skipif(not MOSAIC_GPU, reason="Mosaic GPU needs jax >= 0.12")
+MOSAIC_GPU = mosaic_gpu_available()  # jax >= 0.11.2
+needs_mosaic_gpu = pytest.mark.skipif(not MOSAIC_GPU, reason="Mosaic GPU needs jax >= 0.11.2")
 
 
 def mosaic_gpu_interpreter():
-  """The Mosaic GPU interpreter with its race detector on (it raises at a race: a missing
-  barrier wait, an overwritten buffer still being read)."""
+  """The Mosaic GPU interpreter with its race detector on (from jax 0.12 it raises at a race:
+  a missing barrier wait, an overwritten buffer still being read; 0.11 prints the race)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   return plgpu.InterpretGPUParams(detect_races=True)
 
@@ -93,7 +93,7 @@ def check_against_reference(path, dtype, shape=(B, L, H, D_H, E, D_E)):
 
 def _path_params():
   """(path, dtype) pairs; Mosaic GPU's float32 case runs by default, its bf16 one is slow
-  (the interpreter takes ~15 s per case on two cores), and both need jax >= 0.12."""
+  (the interpreter takes ~15 s per case on two cores), and both need jax >= 0.11.2."""
   for path in ("xla", "mosaic", "triton", "mosaic_gpu"):
     for dtype, name in ((jnp.float32, "f32"), (jnp.bfloat16, "bf16")):
       marks = []
@@ -163,13 +163,16 @@ def test_lowers_for_hardware(platform):
 
 
 @needs_mosaic_gpu
-@pytest.mark.parametrize("device_kind, backend", [
-    (kernel_checks.HOPPER_DEVICE_KIND, "mosaic_gpu"), (kernel_checks.CUDA_DEVICE_KIND, "triton")],
-    ids=["h100", "a100"])
-def test_auto_picks_the_gpu_kernel_per_chip(device_kind, backend):
-  """backend=None lowers to Mosaic GPU for a Hopper target and to Triton for an Ampere one
-  (forward: one kernel; gradient: forward, dq/dr and dK/dU/dV), and to nothing else."""
-  spec = lambda *s, d=jnp.bfloat16: jax.ShapeDtypeStruct(s, d)
+@pytest.mark.parametrize("device_kind, dtype, backend", [
+    (kernel_checks.HOPPER_DEVICE_KIND, jnp.bfloat16, "mosaic_gpu"),
+    (kernel_checks.HOPPER_DEVICE_KIND, jnp.float32, "triton"),
+    (kernel_checks.CUDA_DEVICE_KIND, jnp.bfloat16, "triton")],
+    ids=["h100-bf16", "h100-f32", "a100-bf16"])
+def test_auto_picks_the_gpu_kernel_per_chip(device_kind, dtype, backend):
+  """backend=None lowers to Mosaic GPU for a Hopper target with bfloat16 inputs and to
+  Triton for float32 ones (Mosaic GPU's float32 kernels fault on an H200) and for an Ampere
+  target (forward: one kernel; gradient: forward, dq/dr and dK/dU/dV), and to nothing else."""
+  spec = lambda *s, d=dtype: jax.ShapeDtypeStruct(s, d)
   args = (spec(1, 1000, 8, 128), spec(1, 1000, 8, 11, d=jnp.float32),
           *(spec(8, 11, 256, 128),) * 3)
   grad = jax.grad(functools.partial(_loss, kernel.mhffn), argnums=(0, 1, 2, 3, 4))
@@ -178,6 +181,17 @@ def test_auto_picks_the_gpu_kernel_per_chip(device_kind, backend):
     text = kernel_checks.export_mlir(fn, "cuda", *args, device_kind=device_kind)
     assert text.count(kernel_checks.BACKEND_CALL[backend]) == count
     assert kernel_checks.BACKEND_CALL[other] not in text
+
+
+@needs_mosaic_gpu
+def test_forced_mosaic_gpu_refuses_float32_on_a_gpu():
+  """backend='mosaic_gpu' with float32 inputs is a clear error when compiled for a GPU (its
+  float32 kernels fault on a real H200); the interpreter still runs them (tests above)."""
+  spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  args = (spec(1, 64, 1, 128), spec(1, 64, 1, 2), *(spec(1, 2, 64, 128),) * 3)
+  op = functools.partial(kernel.mhffn, backend="mosaic_gpu")
+  with pytest.raises(ValueError, match="backend='mosaic_gpu' compiles for 16-bit inputs only"):
+    kernel_checks.export_mlir(op, "cuda", *args, device_kind=kernel_checks.HOPPER_DEVICE_KIND)
 
 
 def test_no_races_and_no_uninitialized_reads():

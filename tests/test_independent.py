@@ -655,7 +655,7 @@ FFN_PATHS = {
     "triton": functools.partial(ffn_kernel.mhffn, interpret=True, backend="triton",
                                 block_q=32, block_inter=16, block_q_dkv=64),
 }
-if mosaic_gpu_available():  # jax >= 0.12; the interpreter raises at a race
+if mosaic_gpu_available():  # jax >= 0.11.2; from 0.12 the interpreter raises at a race
   from jax.experimental.pallas import mosaic_gpu as plgpu
   FFN_PATHS["mosaic_gpu"] = functools.partial(
       ffn_kernel.mhffn, interpret=plgpu.InterpretGPUParams(detect_races=True),

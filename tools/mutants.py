@@ -339,6 +339,14 @@ MUTANTS = [
     m("pack3d_triton_dkv_row_block_offset_dropped", "pallas_kernels/pack3d_attention/triton.py",
       "* parts + jax.lax.rem(j, parts), r)", "* parts, r)",
       "tests/test_pack3d.py::test_matches_reference_forward_and_gradients"),
+    # ------------------------------------------------------------------ GPU dispatch
+    m("mosaic_gpu_float32_allowed", "pallas_kernels/dispatch.py",
+      "return jnp.dtype(dtype).itemsize == 2", "return True",
+      "tests/test_flash_ffn.py::test_auto_picks_the_gpu_kernel_per_chip",
+      "tests/test_flash_ffn.py::test_forced_mosaic_gpu_refuses_float32_on_a_gpu"),
+    m("mosaic_gpu_not_picked_on_hopper", "pallas_kernels/dispatch.py",
+      "and capability[0] == 9", "and capability[0] == 8",
+      "tests/test_flash_ffn.py::test_auto_picks_the_gpu_kernel_per_chip"),
     # ------------------------------------------------------------------ Pack3D far offset
     m("pack3d_reference_far_offset_dropped", "jaxops/pack3d.py",
       "s_far = s_far + jnp.asarray(far_offset, _F32)[None, :, None, None]", "s_far = s_far",

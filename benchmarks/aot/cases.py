@@ -70,7 +70,7 @@ OVERSIZED = {
     "tpu": Case("flash_ffn", "370m", "fwd", "float32", (("block_q", 16384),), True),
     "gpu": Case("flash_ffn", "370m", "fwd", "float32",
                 (("block_q", 256), ("block_inter", 256)), True),
-    "hopper": Case("flash_ffn", "370m", "fwd", "float32",
+    "hopper": Case("flash_ffn", "370m", "fwd", "bfloat16",
                    (("block_inter", 256), ("num_stages", 4)), True, backend="mosaic_gpu"),
 }
 

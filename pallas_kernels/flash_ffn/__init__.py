@@ -10,7 +10,7 @@ one over (e, c) tiles loops over all tokens for dK, dU, dV.
 Files: `blocks.py` (tile sizes and the per-chip tuned table), `tiles.py` (tile math and
 the tile plan, shared), `mosaic.py` (TPU: reductions on "arbitrary" grid axes with VMEM
 accumulators), `triton.py` (GPU: reductions as fori_loops inside each program),
-`mosaic_gpu.py` (Hopper GPUs, jax >= 0.12: TMA pipelines and WGMMA).
+`mosaic_gpu.py` (Hopper GPUs, jax >= 0.11.2: TMA pipelines and WGMMA).
 
 `mhffn` is the one public entry point. It dispatches with `jax.lax.platform_dependent`:
 Mosaic on TPU; on a CUDA GPU Mosaic GPU for Hopper and Triton otherwise
@@ -86,7 +86,7 @@ def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **bl
       `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`) interprets everywhere; False
       never interprets.
     backend: force one lowering ("mosaic", "triton" or "mosaic_gpu", the last on jax >=
-      0.12); with `interpret` this runs the other platform's kernel body on CPU.
+      0.11.2); with `interpret` this runs the other platform's kernel body on CPU.
     **block_sizes: overrides of `BlockSizes` fields (block_q, block_inter, block_q_dkv,
       num_warps, num_warps_dkv, num_stages); the defaults come from `TUNED` for the chip
       and dtype.

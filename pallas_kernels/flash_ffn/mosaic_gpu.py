@@ -1,4 +1,4 @@
-"""FlashFFN on Hopper GPUs (Mosaic GPU, jax >= 0.12): TMA loads into shared memory, WGMMA
+"""FlashFFN on Hopper GPUs (Mosaic GPU, jax >= 0.11.2): TMA loads into shared memory, WGMMA
 matmuls with float32 accumulators in registers, one warpgroup per block.
 
 Forward and dq/dr kernels: one block per (head, token tile of bq). The block loads its
