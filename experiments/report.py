@@ -229,8 +229,7 @@ def frac_extrapolate(d) -> str:
       if not rs:
         continue
       for i, layer in enumerate(rs[0]["memory_clock"]["init"]):
-        slow = lambda m: int(np.argmax(m["timescale"]))
-        k = lambda m: m["kernel_over_k0"][slow(m)][-1]
+        k = lambda m: max(row[-1] for row in m["kernel_over_k0"])
         init = layer
         trained = [r["memory_clock"]["trained"][i] for r in rs]
         rows.append([f"`{a}`", i, f"{max(init['timescale']):,.0f}", f"{k(init):.3g}",
@@ -241,8 +240,10 @@ def frac_extrapolate(d) -> str:
       gap = rs[0]["memory_clock"]["init"][0]["gaps"][-1]
       out.append("Memory clock (`memory_clock`; on held-out sequences of the longest length): "
                  "per layer the slowest head's timescale 1 / (slowest rate x mean dt over the "
-                 f"distractors) in tokens and its kernel K/K(0) after {gap} distractors; at "
-                 "initialisation (seed 0) and trained (per seed)\n\n" + _table(
+                 "distractors) in tokens (FRAC: its slowest mode's; its kernel is a power law, "
+                 f"so compare the kernels) and the largest kernel K/K(0) over the heads after "
+                 f"{gap} distractors; at initialisation (seed 0) and trained (per seed)\n\n"
+                 + _table(
                      ["arm", "layer", "slowest timescale, init", f"K({gap})/K(0), init",
                       "slowest timescale, trained", f"K({gap})/K(0), trained",
                       "mean dt on distractors, trained"], rows))
