@@ -154,3 +154,18 @@ def test_cases_cover_the_issue_shapes_and_round_trip():
   assert cases.SHAPES["flash_ffn"]["370m"] == dict(b=1, l=16384, h=8, d=128, e=11, f=256)
   assert cases.SHAPES["pack3d"]["65k"]["b"] == 2
   assert cases.SHAPES["frac_scan"]["16k"] == dict(b=1, l=16384, h=4, p=64, n=16, m=16)
+
+
+def test_merge_replaces_only_the_target_op_pairs_that_ran():
+  """A run of one op on some targets keeps every other op's rows of those targets and drops
+  the rerun pairs' old rows (cases that no longer exist included)."""
+  row = lambda target, case, tag: {"target": target, "case": case, "tag": tag}
+  previous = [row("gpu-a100", "flash_ffn/lm/fwd/float32", "old"),
+              row("gpu-h100", "flash_ffn/lm/fwd/float32", "old"),
+              row("gpu-h100", "flash_ffn/lm/fwd/float32@mosaic_gpu+block_q=9", "old"),
+              row("gpu-h100", "pack3d/65k/fwd/float32", "old")]
+  merged = check.merge(previous, [row("gpu-h100", "flash_ffn/lm/fwd/float32", "new")])
+  assert sorted((r["target"], r["case"], r["tag"]) for r in merged) == [
+      ("gpu-a100", "flash_ffn/lm/fwd/float32", "old"),
+      ("gpu-h100", "flash_ffn/lm/fwd/float32", "new"),
+      ("gpu-h100", "pack3d/65k/fwd/float32", "old")]

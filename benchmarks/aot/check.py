@@ -4,8 +4,8 @@ TPU and GPU compilers, with a table of what each compiler reports.
   python -m benchmarks.aot.check                       # all targets, all ops
   python -m benchmarks.aot.check --targets=tpu-v5e,tpu-v6e --ops=flash_ffn
   python -m benchmarks.aot.check --readme              # also rewrite benchmarks/README.md's table
-  python -m benchmarks.aot.check --targets=gpu-h100 --merge --readme
-                                       # one target anew, the others' rows from results.json
+  python -m benchmarks.aot.check --targets=gpu-h100 --ops=flash_ffn --merge --readme
+                                       # one target's op anew, every other row from results.json
 
 Each target's cases run in a worker process inside that target's venv (`make
 compile-check` creates .venv-aot-tpu and .venv-aot-gpu from pinned versions). A case
@@ -182,6 +182,15 @@ def markdown(results: list[dict]) -> str:
   return "\n".join(out)
 
 
+def merge(previous: list[dict], results: list[dict]) -> list[dict]:
+  """`results` with the `previous` rows of every (target, op) pair they do not cover, in
+  target order: a run of some targets or ops replaces just those rows."""
+  op_of = lambda r: r["case"].split("/")[0]
+  redone = {(r["target"], op_of(r)) for r in results}
+  kept = [r for r in previous if (r["target"], op_of(r)) not in redone]
+  return sorted(kept + results, key=lambda r: list(TARGETS).index(r["target"]))
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--targets", default=",".join(TARGETS))
@@ -190,7 +199,7 @@ def main(argv=None):
   parser.add_argument("--readme", action="store_true", help="rewrite benchmarks/README.md's table")
   parser.add_argument("--out", default=str(HERE / "results"), help="results .json/.md prefix")
   parser.add_argument("--merge", action="store_true",
-                      help="keep the previous results (--out's .json) of the targets not run")
+                      help="keep the previous results (--out's .json) of the (target, op) pairs not run")
   args = parser.parse_args(argv)
   ops = set(filter(None, args.ops.split(","))) or None
   results, start = [], time.monotonic()
@@ -203,8 +212,7 @@ def main(argv=None):
   elapsed = time.monotonic() - start
   ran = sorted({r["target"] for r in results}, key=list(TARGETS).index)
   if args.merge and (previous := pathlib.Path(args.out + ".json")).exists():
-    kept = [r for r in json.loads(previous.read_text()) if r["target"] not in ran]
-    results = sorted(kept + results, key=lambda r: list(TARGETS).index(r["target"]))
+    results = merge(json.loads(previous.read_text()), results)
   failures = [r for r in results if verdict(r)]
   load = os.getloadavg()[2]
   summary = (f"{len(results) - len(failures)}/{len(results)} cases pass ({len(failures)} "
