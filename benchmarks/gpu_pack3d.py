@@ -18,6 +18,7 @@ import numpy as np
 from benchmarks.common import report_errors, wall_seconds
 from jaxops import pack3d as ops
 from jaxops import packing
+from jaxops.pack3d_layout import cube_layout
 from pallas_kernels import pack3d_attention as kernel
 
 HEADS, HEAD_DIM = 2, 48
@@ -77,7 +78,7 @@ def cpu_vs_gpu(dtype, shapes) -> None:
   layouts = {}
   for name, device in (("cpu", cpu), ("gpu", gpu)):
     with jax.default_device(device):
-      layouts[name] = jax.device_get(ops.cube_layout(coords, field_ids, slots_per_cube=64))
+      layouts[name] = jax.device_get(cube_layout(coords, field_ids, slots_per_cube=64))
   for field in ("slot", "count", "keys", "neighbours", "num_neighbours"):
     print(f"    layout.{field} gpu vs cpu: {diff(getattr(layouts['gpu'], field), getattr(layouts['cpu'], field)):.2e}")
   paths = {"reference": lambda q, k, v: ops.pack3d_attention_reference(q, k, v, coords, field_ids),

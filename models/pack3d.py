@@ -45,7 +45,7 @@ class Pack3DAttention(nnx.Module):
       or "local" (the local branch alone, no far summaries: the local-only ablation;
       computed as the gated merge with gates (1, 0), so it costs what "gated" does).
     rotate_summaries: "before" compression (default) or "after" (the ablation; axial_rope).
-    max_cubes: cube slots when coords are traced (see `jaxops.pack3d`).
+    max_cubes: cube slots when coords are traced (see `jaxops.pack3d_layout`).
     far_offset: learn a per-head offset beta_h on the far-summary logits,
       s_ib = q_i . kbar_b / sqrt(D) + log(n_b) + beta_h (the parameter `far_offset` [H],
       logical axis "heads"). It starts at 0, so at init the bias is the paper's log(n_b) and

@@ -13,6 +13,7 @@ import pytest
 
 from jaxops import pack3d as ops
 from jaxops import packing, rope
+from jaxops.pack3d_layout import cube_layout, layout_status
 from pallas_kernels import pack3d_attention as kernel
 from tests import kernel_checks
 
@@ -211,7 +212,7 @@ def test_kernel_options_and_default_dispatch_match_reference():
 def test_cube_of_identical_keys_counts_like_its_tokens():
   """With keys and values constant inside every cube, the log(n_b) bias makes Pack3D equal
   full attention within each field (far cubes stand exactly for their tokens)."""
-  layout = ops.cube_layout(COORDS, FIELD_IDS, block_shape=BLOCK)
+  layout = cube_layout(COORDS, FIELD_IDS, block_shape=BLOCK)
   same_field = jnp.asarray(FIELD_IDS[:, :, None] == FIELD_IDS[:, None, :])[:, None]
 
   @jax.jit
@@ -233,7 +234,7 @@ def test_cube_of_identical_keys_counts_like_its_tokens():
 
 def test_summary_logit_is_mean_of_relative_position_logits():
   """q_i . kbar_b = mean_{j in b} (R(p_i) q0) . (R(p_j) k0_j): rotate before compression."""
-  layout = ops.cube_layout(COORDS, FIELD_IDS, block_shape=BLOCK)
+  layout = cube_layout(COORDS, FIELD_IDS, block_shape=BLOCK)
 
   @jax.jit
   def both_sides(q0, k0):
@@ -250,7 +251,7 @@ def test_summary_logit_is_mean_of_relative_position_logits():
 
 def test_no_token_in_both_branches():
   """Neighbour cubes and far cubes are disjoint and together are the query's field."""
-  layout = ops.cube_layout(COORDS, FIELD_IDS, block_shape=BLOCK)
+  layout = cube_layout(COORDS, FIELD_IDS, block_shape=BLOCK)
   for b in range(2):
     cube_field = np.zeros(layout.num_cubes, int)
     cube_field[np.asarray(layout.slot[b]) // layout.slots_per_cube] = FIELD_IDS[b]
@@ -394,7 +395,7 @@ def test_too_few_cube_slots_for_traced_coords_is_never_silent(op):
   @functools.partial(jax.jit, static_argnums=2)
   def run(c, f, max_cubes):
     return (op(q, k, v, c, f, block_shape=BLOCK, max_cubes=max_cubes),
-            ops.layout_status(c, f, block_shape=BLOCK, max_cubes=max_cubes))
+            layout_status(c, f, block_shape=BLOCK, max_cubes=max_cubes))
 
   out, status = run(COORDS, FIELD_IDS, int(needed.max()))
   assert np.all(np.isfinite(np.asarray(out))) and np.all(np.asarray(status) == 0)

@@ -334,7 +334,7 @@ MUTANTS = [
       "g * n * sig * (1.0 + m * (1.0 - sig))", "g * n * sig * (1.0 + m * sig)",
       "tests/test_flash_ffn.py::test_matches_reference_forward_and_gradients"),
     m("flashffn_kernel_router_weight_dropped", "pallas_kernels/flash_ffn/tiles.py",
-      "a = m * jax.nn.sigmoid(m) * n * r_e", "a = m * jax.nn.sigmoid(m) * n",
+      "return m * jax.nn.sigmoid(m) * n * r_e", "return m * jax.nn.sigmoid(m) * n",
       "tests/test_flash_ffn.py::test_matches_reference_forward_and_gradients"),
     m("pack3d_triton_dkv_row_block_offset_dropped", "pallas_kernels/pack3d_attention/triton.py",
       "* parts + jax.lax.rem(j, parts), r)", "* parts, r)",

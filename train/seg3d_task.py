@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxops import checks
-from jaxops.pack3d import MAX_FIELDS
+from jaxops.pack3d_layout import MAX_FIELDS
 from models.seg3d import Pack3DSegmenter
 from models.unet3d import UNet3D, param_count, unet3d_matching
 from train import sharding, trainer

@@ -1,7 +1,7 @@
 """Pack3D attention as Pallas kernels, forward and backward.
 
 Math and shapes: `jaxops.pack3d` (the reference this kernel is tested against). Tokens
-are scattered into the cube-major layout of `jaxops.pack3d.cube_layout` (a cube is a
+are scattered into the cube-major layout of `jaxops.pack3d_layout.cube_layout` (a cube is a
 contiguous slab of T slots, empty slots masked), the summaries kbar, vbar are
 precomputed in XLA (`cube_summaries`), and one program per (batch, head, query cube)
 runs ONE online softmax over two key streams: its <= (2r+1)^3 neighbour cubes, then the
@@ -29,8 +29,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxops.pack3d import (MASK, check_pack3d_inputs, cube_layout, cube_summaries,
-                           poison_overflow)
+from jaxops.pack3d import MASK, check_pack3d_inputs, cube_summaries
+from jaxops.pack3d_layout import cube_layout, poison_overflow
 from jaxops.tiling import next_pow2
 from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
 from pallas_kernels.pack3d_attention import mosaic, triton
@@ -120,7 +120,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     block_shape, radius_blocks, block_bias, summary_rope, max_cubes: as in
       `jaxops.pack3d.pack3d_attention` (the gated merge is an XLA-path option only).
       With traced coords, an entry needing more than max_cubes cubes gets NaN outputs
-      (`jaxops.pack3d.layout_status` says which and why).
+      (`jaxops.pack3d_layout.layout_status` says which and why).
     far_offset: None, or beta [H] (float) added to every far-summary logit of its head;
       None leaves the kernels exactly as without it (no offset operand, no gradient output).
     interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Triton);

@@ -142,7 +142,7 @@ def absent_refs(kernel, positions):
 #   kbar, vbar [B, H, Cs, D] (Cs: C padded to a multiple of S)
 #   key_bias [B, C, 1, T] float32 (0 for a token, MASK for an empty slot)
 #   cube_rows [B, 8, Cs], cube_cols [B, C, 8] float32 (see `far_bias`)
-#   neighbours [B, C, K] int32, num_neighbours [B, C] int32 (see jaxops.pack3d.CubeLayout)
+#   neighbours [B, C, K] int32, num_neighbours [B, C] int32 (see jaxops.pack3d_layout.CubeLayout)
 #   offset [H, 1, 1] float32 (beta_h; only with a far offset), its gradient's per-summary
 #   parts d_offset [B, H, 1, Cs] float32 (summed outside)
 # ----------------------------------------------------------------------------
