@@ -130,6 +130,31 @@ def assert_bf16_close_to_baseline(actuals, baselines, expected, names) -> None:
                           f"{err_base:.3g} + {BF16_FLOOR}")
 
 
+def sin_loss(op, *args):
+  """A non-linear readout of every output of op(*args), so no cotangent is uniform."""
+  return sum(jnp.sum(jnp.sin(y.astype(jnp.float32))) for y in jax.tree.leaves(op(*args)))
+
+
+def assert_bf16_kernel_close(compiled, path: str, args, names) -> None:
+  """A kernel body `path` on bf16 `args`: the first output in the input dtype and any other
+  (a state) in float32, each gradient in its argument's shape and dtype, and outputs and
+  gradients within BF16_FACTOR x the XLA path's error against the float32 reference on the
+  same (bf16-rounded) inputs.
+
+  compiled(p) -> jit(args -> (outputs, gradients)) for p = path, "xla" and "reference";
+  names: the outputs', then one per argument (messages)."""
+  out_ref, grads_ref = compiled("reference")(*(a.astype(jnp.float32) for a in args))
+  out, grads = compiled(path)(*args)
+  outs, outs_ref = jax.tree.leaves(out), jax.tree.leaves(out_ref)
+  assert [o.shape for o in outs] == [o.shape for o in outs_ref]
+  assert [o.dtype for o in outs] == [args[0].dtype] + [jnp.float32] * (len(outs) - 1)
+  for name, g, a in zip(names[len(outs):], grads, args, strict=True):
+    assert g.shape == a.shape and g.dtype == a.dtype, f"{name}: {g.shape} {g.dtype}"
+  out_xla, grads_xla = compiled("xla")(*args)
+  assert_bf16_close_to_baseline((*outs, *grads), (*jax.tree.leaves(out_xla), *grads_xla),
+                                (*outs_ref, *grads_ref), names)
+
+
 def assert_grads_close(grads, grads_ref, args, names, *, rtol: float) -> None:
   """Each gradient has its input's shape and dtype and is close to the reference one."""
   for name, g, g_ref, a in zip(names, grads, grads_ref, args, strict=True):

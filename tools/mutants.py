@@ -38,6 +38,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 LF = "tests/test_layer_formulas.py"
 TS = "tests/test_trainer_semantics.py"
 PI = "tests/test_independent.py"
+KP = "tests/test_kernel_properties.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,11 +326,11 @@ MUTANTS = [
     m("flashffn_kernel_dkuv_reduction_parallel", "pallas_kernels/flash_ffn/mosaic.py",
       '_params("parallel", "parallel", "parallel", "arbitrary")',
       '_params("parallel", "parallel", "parallel", "parallel")',
-      "tests/test_flash_ffn.py::test_no_races_and_no_uninitialized_reads"),
+      f"{KP}::test_no_races_and_no_uninitialized_reads[flash_ffn]"),
     m("frac_kernel_chunk_axis_parallel", "pallas_kernels/frac_scan/mosaic.py",
       'dimension_semantics=("parallel", "arbitrary")',
       'dimension_semantics=("parallel", "parallel")',
-      "tests/test_frac_scan.py::test_no_races_and_no_uninitialized_reads"),
+      f"{KP}::test_no_races_and_no_uninitialized_reads[frac_scan]"),
     m("flashffn_kernel_silu_derivative", "pallas_kernels/flash_ffn/tiles.py",
       "g * n * sig * (1.0 + m * (1.0 - sig))", "g * n * sig * (1.0 + m * sig)",
       "tests/test_flash_ffn.py::test_matches_reference_forward_and_gradients"),
@@ -374,7 +375,7 @@ MUTANTS = [
       f"{PI}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
     m("pack3d_mosaic_d_far_offset_not_reset", "pallas_kernels/pack3d_attention/mosaic.py",
       "      doff_sc[...] = jnp.zeros_like(doff_sc)\n", "      pass\n",
-      "tests/test_pack3d.py::test_no_races_and_no_uninitialized_reads[far_offset]"),
+      f"{KP}::test_no_races_and_no_uninitialized_reads[pack3d-far_offset]"),
     m("pack3d_kernel_d_far_offset_sign", "pallas_kernels/pack3d_attention/__init__.py",
       "else jnp.sum(grads[5], axis=(0, 3))", "else -jnp.sum(grads[5], axis=(0, 3))",
       f"{PI}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
