@@ -1,4 +1,5 @@
-"""Every fast path against the independent float64 references of `tests/independent.py`.
+"""The fast paths of RoPE, Pack3D and FlashFFN against the independent float64 references of
+`tests/independent.py` (FRAC's: tests/test_frac_independent.py).
 
 The references share no code with the project: they are DESIGN.md's formulas as loops,
 in numpy float64. Gradients are checked without autodiff on the reference side: for each
@@ -15,71 +16,24 @@ the measured errors, the bf16 ones 2-4x (the numbers are in the comments next to
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from scipy import integrate
 
 from jaxops import flash_ffn as ffn_ops
-from jaxops import frac as frac_ops
 from jaxops import pack3d as pack_ops
 from jaxops import rope as rope_ops
 from models import FlashFFN
 from pallas_kernels import flash_ffn as ffn_kernel
-from pallas_kernels import frac_scan as frac_kernel
 from pallas_kernels import pack3d_attention as pack_kernel
 from pallas_kernels.dispatch import mosaic_gpu_available
 from tests import independent as ind
+from tests.independent_checks import as_f64, cast, check, check_directional, params, rounded
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-
-
-def _params(names, fast):
-  """pytest params over `names`; those not in `fast` are marked slow (the default run
-  keeps the whole file near a minute of CPU time; `-m slow` runs the rest)."""
-  return [pytest.param(n, id=n, marks=() if n in fast else pytest.mark.slow) for n in names]
-
-
-def _as_f64(a) -> np.ndarray:
-  return np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
-
-
-def _cast(a, dtype) -> jax.Array:
-  return jnp.asarray(np.asarray(a, np.float32)).astype(dtype)
-
-
-def _rounded(a, dtype) -> np.ndarray:
-  """What the op sees after casting `a` to `dtype`, back in float64."""
-  return _as_f64(_cast(a, dtype))
-
-
-def check(actual, expected, *, rtol: float, name: str) -> float:
-  """max|actual - expected| <= rtol * max|expected|; returns the relative error."""
-  actual, expected = _as_f64(actual), np.asarray(expected, np.float64)
-  assert actual.shape == expected.shape, (name, actual.shape, expected.shape)
-  assert np.all(np.isfinite(actual)), f"{name}: non-finite values"
-  err = float(np.max(np.abs(actual - expected))) / max(float(np.max(np.abs(expected))), 1e-30)
-  assert err <= rtol, f"{name}: relative error {err:.3g} > {rtol}"
-  return err
-
-
-def check_directional(grads, ref_derivs, directions, *, rtol: float, name: str) -> None:
-  """<grad_i, dir_i> against the reference's directional derivative, for each input i.
-
-  Scale: |<g, d>| for random Gaussian d is about ||g|| ||d|| / sqrt(size), so the check
-  reads |<g - g_ref, d>| <= rtol * ||g|| ||d|| / sqrt(size): a relative L2 gradient error.
-  """
-  for label, g, ref, d in zip(name, grads, ref_derivs, directions, strict=True):
-    g, d = _as_f64(g), np.asarray(d, np.float64)
-    assert g.shape == d.shape, (label, g.shape, d.shape)
-    got = float(np.sum(g * d))
-    scale = np.linalg.norm(g) * np.linalg.norm(d) / math.sqrt(d.size) + abs(ref)
-    assert abs(got - ref) <= rtol * scale, (
-        f"d{label}: <g, d> = {got:.8g}, reference {ref:.8g} (scale {scale:.3g})")
 
 
 # ========================================================================================
@@ -119,10 +73,10 @@ def _rope_rtol(dtype, coords, spacing):
 def test_axial_rope_matches_frequency_formula(case, dtype):
   """axial_rope_3d == block-diagonal R(p) built from p_a s_a theta^(-k/m_a), per token."""
   x, coords, theta, spacing = _rope_inputs(case)
-  got = rope_ops.axial_rope_3d(_cast(x, dtype), jnp.asarray(coords), theta=theta,
+  got = rope_ops.axial_rope_3d(cast(x, dtype), jnp.asarray(coords), theta=theta,
                                spacing=spacing)
   assert got.dtype == dtype
-  expected = ind.axial_rope_3d(_rounded(x, dtype), coords, theta=theta, spacing=spacing)
+  expected = ind.axial_rope_3d(rounded(x, dtype), coords, theta=theta, spacing=spacing)
   check(got, expected, rtol=_rope_rtol(dtype, coords, spacing), name=f"axial {case}")
 
 
@@ -133,8 +87,8 @@ def test_rope_1d_matches_frequency_formula(dtype):
   positions = {"int": rng.integers(0, 2000, size=(2, 9)).astype(np.int32),
                "float": rng.uniform(0.0, 50.0, size=(2, 9)).astype(np.float32)}
   for kind, pos in positions.items():
-    got = rope_ops.rope_1d(_cast(x, dtype), jnp.asarray(pos), theta=300.0)
-    expected = ind.rope_1d(_rounded(x, dtype), pos.astype(np.float64), theta=300.0)
+    got = rope_ops.rope_1d(cast(x, dtype), jnp.asarray(pos), theta=300.0)
+    expected = ind.rope_1d(rounded(x, dtype), pos.astype(np.float64), theta=300.0)
     rtol = float(np.max(pos)) * 2.0 ** -24 + 1e-6 + (2.0 ** -8 if dtype == BF16 else 0.0)
     check(got, expected, rtol=rtol, name=f"rope_1d {kind}")
 
@@ -145,16 +99,16 @@ def test_axial_rope_logits_are_relative_rotations():
   x, coords, theta, spacing = _rope_inputs("large_spaced")
   q, k = x[0], x[1]  # [7, 3, 18] each
   c = coords[0]
-  qr = _as_f64(rope_ops.axial_rope_3d(_cast(q, F32), jnp.asarray(c), theta=theta,
+  qr = as_f64(rope_ops.axial_rope_3d(cast(q, F32), jnp.asarray(c), theta=theta,
                                       spacing=spacing))
-  kr = _as_f64(rope_ops.axial_rope_3d(_cast(k, F32), jnp.asarray(c), theta=theta,
+  kr = as_f64(rope_ops.axial_rope_3d(cast(k, F32), jnp.asarray(c), theta=theta,
                                       spacing=spacing))
   got = np.einsum("ihd,jhd->ijh", qr, kr)
   expected = np.zeros_like(got)
   for i in range(len(c)):
     for j in range(len(c)):
       rel = ind.rope_matrix_3d(c[j] - c[i], q.shape[-1], theta, spacing)
-      expected[i, j] = np.einsum("hd,de,he->h", _rounded(q, F32)[i], rel, _rounded(k, F32)[j])
+      expected[i, j] = np.einsum("hd,de,he->h", rounded(q, F32)[i], rel, rounded(k, F32)[j])
   check(got, expected, rtol=2 * _rope_rtol(F32, coords, spacing), name="relative logits")
 
 
@@ -244,7 +198,7 @@ def pack_reference(case, dtype):
   if dtype == F32:  # relative rotations on the raw inputs
     return _pack_reference_raw(*PACK_RAW, case)
   # bf16: the op sees the rotated inputs rounded to bf16; no rotation left to do.
-  q, k, v = (_rounded(a, dtype) for a in PACK_ROT)
+  q, k, v = (rounded(a, dtype) for a in PACK_ROT)
   return ind.pack3d_attention(q, k, v, PACK_COORDS, PACK_FIELDS, block_shape=BLOCK,
                               **PACK_CASES[case])
 
@@ -261,8 +215,8 @@ def pack_reference_derivatives(case):
 def pack_run(path, case, dtype, grads):
   """The project's output (and its VJP with cotangent W) on the rotated inputs."""
   op = functools.partial(PACK_PATHS[path], **PACK_CASES[case])
-  args = tuple(_cast(a, dtype) for a in PACK_ROT)
-  w = _cast(PACK_W, dtype)
+  args = tuple(cast(a, dtype) for a in PACK_ROT)
+  w = cast(PACK_W, dtype)
 
   def run(q, k, v, coords, fields):
     fn = lambda q, k, v: op(q, k, v, coords, fields)
@@ -293,7 +247,7 @@ def test_pack3d_reference_self_consistency():
   assert np.max(np.abs(pack_reference("radius2", F32) - full)) > 1e-2
 
 
-@pytest.mark.parametrize("path", _params(PACK_PATHS, fast=("xla", "mosaic", "triton")))
+@pytest.mark.parametrize("path", params(PACK_PATHS, fast=("xla", "mosaic", "triton")))
 def test_pack3d_forward_and_grads(path):
   """Default options, f32: forward and dq, dk, dv against the loop with relative rotations."""
   out, grads = pack_run(path, "default", F32, True)
@@ -313,7 +267,7 @@ def test_pack3d_options_forward(path, case):
   check(out, pack_reference(case, F32), rtol=PACK_TOL[F32], name=f"{path} {case}")
 
 
-@pytest.mark.parametrize("path", _params(PACK_PATHS, fast=("xla",)))
+@pytest.mark.parametrize("path", params(PACK_PATHS, fast=("xla",)))
 def test_pack3d_bf16_forward(path):
   out, _ = pack_run(path, "default", BF16, False)
   assert out.dtype == BF16
@@ -338,7 +292,7 @@ def _offset_reference_raw(q, k, v, beta, case):
 def offset_reference(case, dtype):
   if dtype == F32:
     return _offset_reference_raw(*PACK_RAW, PACK_OFFSET, case)
-  q, k, v = (_rounded(a, dtype) for a in PACK_ROT)
+  q, k, v = (rounded(a, dtype) for a in PACK_ROT)
   return ind.pack3d_attention(q, k, v, PACK_COORDS, PACK_FIELDS, block_shape=BLOCK,
                               far_offset=PACK_OFFSET, **PACK_CASES[case])
 
@@ -357,8 +311,8 @@ def offset_run(path, case, dtype, grads):
   """The project's output with far_offset (float32 beta, as the layer passes it) and its VJP
   in q, k, v and beta with cotangent W."""
   op = functools.partial(OFFSET_PATHS[path], **PACK_CASES[case])
-  args = tuple(_cast(a, dtype) for a in PACK_ROT) + (_cast(PACK_OFFSET, F32),)
-  w = _cast(PACK_W, dtype)
+  args = tuple(cast(a, dtype) for a in PACK_ROT) + (cast(PACK_OFFSET, F32),)
+  w = cast(PACK_W, dtype)
 
   def run(q, k, v, beta, coords, fields):
     fn = lambda q, k, v, beta: op(q, k, v, coords, fields, far_offset=beta)
@@ -401,7 +355,7 @@ def test_pack3d_far_offset_forward_and_grads(path, case):
                     name=["q", "k", "v", "far_offset"])
 
 
-@pytest.mark.parametrize("path", _params(OFFSET_PATHS, fast=("xla",)))
+@pytest.mark.parametrize("path", params(OFFSET_PATHS, fast=("xla",)))
 def test_pack3d_far_offset_bf16_forward(path):
   """bf16 q, k, v with a float32 offset (as the layer passes it): measured <= 1.0e-3."""
   out, _ = offset_run(path, "default", BF16, False)
@@ -414,229 +368,14 @@ def test_pack3d_with_project_rope_end_to_end():
   forms R(p_j - p_i) from the same spacing on the un-rotated q, k."""
   rope = (100.0, (1.5, 0.5, 2.0))
   q, k, v = PACK_RAW
-  rot = lambda a: rope_ops.axial_rope_3d(_cast(a, F32), jnp.asarray(PACK_COORDS),
+  rot = lambda a: rope_ops.axial_rope_3d(cast(a, F32), jnp.asarray(PACK_COORDS),
                                          theta=rope[0], spacing=rope[1])
   got = jax.jit(lambda q, k, v: pack_ops.pack3d_attention(
       q, k, v, PACK_COORDS, PACK_FIELDS, block_shape=BLOCK, radius_blocks=2))(
-          rot(q), rot(k), _cast(v, F32))
+          rot(q), rot(k), cast(v, F32))
   expected = ind.pack3d_attention(q, k, v, PACK_COORDS, PACK_FIELDS, block_shape=BLOCK,
                                   radius_blocks=2, rope=rope)
   check(got, expected, rtol=1e-5, name="rope + pack3d")  # measured 2.4e-7
-
-
-# ========================================================================================
-# FRAC: modes against the power law, the scan against a per-mode recurrence.
-# ========================================================================================
-
-ALPHAS = np.array([0.2, 0.35, 0.5, 0.65, 0.8])
-
-
-@pytest.mark.parametrize("context,num_modes", [(8192, None), (262144, None), (1000, 7)])
-def test_soe_modes_match_design_formula(context, num_modes):
-  """Rates and weights are the DESIGN.md formula (tail first, then the log grid)."""
-  alphas = np.array([0.2, 0.45, 0.8, 1.0])
-  rates, weights = frac_ops.soe_modes(jnp.asarray(alphas, F32), num_modes=num_modes,
-                                      context=context)
-  m = num_modes or ind.default_num_modes(context)
-  assert rates.shape == weights.shape == (len(alphas), m)
-  for h, alpha in enumerate(alphas):
-    ref_rates, ref_weights = ind.soe_modes(alpha, m, context)
-    np.testing.assert_allclose(_as_f64(rates[h]), ref_rates, rtol=2e-5, err_msg=f"{alpha}")
-    np.testing.assert_allclose(_as_f64(weights[h]), ref_weights, rtol=2e-5, err_msg=f"{alpha}")
-
-
-def _fit_error(rates, weights, alpha, u):
-  return np.abs(ind.sum_of_exponentials(rates, weights, u) / (1 + u) ** -alpha - 1)
-
-
-@pytest.mark.parametrize("context", [8192, 262144])
-def test_soe_modes_approximate_the_power_law(context):
-  """Within 0.2% of (1+u)^(-alpha) for u <= T and 0.4% for u <= 4T, alpha in [0.2, 0.8]:
-  both the formula written here and the project's modes (evaluated in float64)."""
-  u = np.concatenate([[0.0], np.geomspace(1e-3, 4 * context, 4000)])
-  rates, weights = frac_ops.soe_modes(jnp.asarray(ALPHAS, F32), context=context)
-  m = ind.default_num_modes(context)
-  for h, alpha in enumerate(ALPHAS):
-    for name, (r, w) in {"formula": ind.soe_modes(alpha, m, context),
-                         "project": (_as_f64(rates[h]), _as_f64(weights[h]))}.items():
-      err = _fit_error(r, w, alpha, u)
-      assert err[u <= context].max() < 2e-3, (name, alpha, err[u <= context].max())
-      assert err.max() < 4e-3, (name, alpha, err.max())
-
-
-def test_soe_tail_mode_is_needed():
-  """Without the tail mode small alpha is far off (DESIGN.md says ~25%; the formula gives
-  49% at u = T and 64% at 4T for alpha = 0.2); with it, < 0.4%."""
-  context = 8192
-  u = np.geomspace(1.0, 4 * context, 500)
-  rates, weights = ind.soe_modes(0.2, ind.default_num_modes(context), context)
-  assert _fit_error(rates[1:], weights[1:], 0.2, u).max() > 0.25
-  assert _fit_error(rates, weights, 0.2, u).max() < 4e-3
-
-
-def test_soe_modes_as_quadrature_of_the_integral():
-  """Numeric integrals: (1+u)^(-a) = int_0^inf rho(s) e^(-s u) ds with
-  rho(s) = s^(a-1) e^(-s) / Gamma(a); the tail mode stands for int_0^b (weight = mass,
-  rate = mean rate, up to O(b)); the grid modes are a quadrature of int_b^inf."""
-  context = 4096
-  m = ind.default_num_modes(context)
-  for alpha in (0.2, 0.5, 0.8):
-    # rho without its s^(a-1) factor: quad's weight="alg" integrates that singularity exactly.
-    smooth = lambda s, u=0.0, a=alpha: math.exp(-s * (1 + u)) / math.gamma(a)
-    singular = dict(weight="alg", wvar=(alpha - 1, 0))
-    rates, weights = ind.soe_modes(alpha, m, context)
-    h = math.log(ind.S_MAX * context / ind.S_MIN_TIMES_CONTEXT) / (m - 2)
-    assert h <= 1.0
-    b = ind.S_MIN_TIMES_CONTEXT / context * math.exp(-h / 2)
-    mass = integrate.quad(smooth, 0, b, **singular)[0]
-    mean_rate = integrate.quad(lambda s: s * smooth(s), 0, b, **singular)[0] / mass
-    np.testing.assert_allclose(weights[0], mass, rtol=2 * b)
-    np.testing.assert_allclose(rates[0], mean_rate, rtol=2 * b)
-    for u in (0.0, 3.0, 100.0, context, 4.0 * context):
-      whole = (integrate.quad(smooth, 0, 1, args=(u,), **singular)[0]
-               + integrate.quad(lambda s: s ** (alpha - 1) * smooth(s, u), 1, np.inf)[0])
-      np.testing.assert_allclose(whole, (1 + u) ** -alpha, rtol=1e-7)
-      # s = e^y makes the log-spaced grid a trapezoid rule in y over [ln b, inf)
-      upper = integrate.quad(lambda y: math.exp(alpha * y) * smooth(math.exp(y), u),
-                             math.log(b), math.log(60.0), limit=400)[0]
-      grid = ind.sum_of_exponentials(rates[1:], weights[1:], u)
-      assert abs(grid / upper - 1) < 4e-3, (alpha, u, grid, upper)
-
-
-FRAC_SHAPE = dict(bt=2, length=37, heads=2, p=5, n=3, m=4)
-FRAC_CHUNK = 8  # 37 = 4 chunks + 5
-FRAC_PATHS = {
-    "reference": frac_ops.frac_scan_reference,
-    "xla": functools.partial(frac_ops.frac_scan, chunk=FRAC_CHUNK),
-    "mosaic": functools.partial(frac_kernel.frac_scan, interpret=True, backend="mosaic",
-                                chunk=FRAC_CHUNK),
-    "triton": functools.partial(frac_kernel.frac_scan, interpret=True, backend="triton",
-                                chunk=FRAC_CHUNK),
-}
-FRAC_NAMES = ("x", "dt", "b", "c", "rates", "weights", "initial_state")
-# Measured, every path: f32 forward <= 2.2e-7, gradients <= 2.6e-7; bf16 (x, b, c in bf16,
-# the rest float32) y <= 1.6e-3 (mostly y's own rounding, unit roundoff 2^-8), state 2e-7.
-FRAC_TOL = {F32: 1e-5, BF16: 5e-3}
-FRAC_GRAD_TOL = 1e-5
-
-
-def _frac_inputs():
-  s = FRAC_SHAPE
-  rng = np.random.default_rng(5)
-  x = rng.standard_normal((s["bt"], s["length"], s["heads"], s["p"]))
-  dt = np.log1p(np.exp(rng.standard_normal((s["bt"], s["length"], s["heads"]))))  # softplus
-  b = 0.5 * rng.standard_normal((s["bt"], s["length"], s["heads"], s["n"]))
-  c = 0.5 * rng.standard_normal((s["bt"], s["length"], s["heads"], s["n"]))
-  rates = np.exp(rng.uniform(-5.0, 1.8, size=(s["heads"], s["m"])))  # 0.007 .. 6
-  weights = rng.uniform(0.1, 1.0, size=(s["heads"], s["m"]))
-  state = rng.standard_normal((s["bt"], s["heads"], s["m"], s["n"], s["p"]))
-  return x, dt, b, c, rates, weights, state
-
-
-FRAC_INPUTS = _frac_inputs()
-_rng = np.random.default_rng(6)
-FRAC_W = (_rng.standard_normal(FRAC_INPUTS[0].shape), _rng.standard_normal(FRAC_INPUTS[6].shape))
-FRAC_DIRS = tuple(_rng.standard_normal(a.shape) for a in FRAC_INPUTS)
-FRAC_DTYPES = {F32: (F32,) * 7, BF16: (BF16, F32, BF16, BF16, F32, F32, F32)}
-
-
-def _frac_args(dtype):
-  return tuple(_cast(a, t) for a, t in zip(FRAC_INPUTS, FRAC_DTYPES[dtype], strict=True))
-
-
-@functools.lru_cache(maxsize=None)
-def frac_reference(dtype, with_state=True):
-  args = [_as_f64(a) for a in _frac_args(dtype)]
-  return ind.frac_scan(*args[:6], args[6] if with_state else None)
-
-
-@functools.lru_cache(maxsize=None)
-def frac_reference_derivatives():
-  def loss(*args):
-    y, state = ind.frac_scan(*args)
-    return float(np.sum(FRAC_W[0] * y) + np.sum(FRAC_W[1] * state))
-  return tuple(ind.directional_derivative(loss, FRAC_INPUTS, i, FRAC_DIRS[i])
-               for i in range(7))
-
-
-@functools.lru_cache(maxsize=None)
-def frac_run(path, dtype, grads):
-  op = FRAC_PATHS[path]
-  args = _frac_args(dtype)
-  cotangent = (_cast(FRAC_W[0], FRAC_DTYPES[dtype][0]), _cast(FRAC_W[1], F32))
-
-  def run(*args):
-    if not grads:
-      return op(*args), None
-    out, vjp = jax.vjp(op, *args)
-    return out, vjp(cotangent)
-
-  return jax.jit(run)(*args)
-
-
-@pytest.mark.parametrize("path", _params(FRAC_PATHS, fast=("xla", "mosaic", "triton")))
-def test_frac_scan_forward_and_grads(path):
-  """f32: y and the final state against the per-mode recurrence; gradients of all seven
-  inputs against float64 central differences of it."""
-  (y, state), grads = frac_run(path, F32, True)
-  y_ref, state_ref = frac_reference(F32)
-  check(y, y_ref, rtol=FRAC_TOL[F32], name=f"{path} y")
-  check(state, state_ref, rtol=FRAC_TOL[F32], name=f"{path} state")
-  check_directional(grads, frac_reference_derivatives(), FRAC_DIRS, rtol=FRAC_GRAD_TOL,
-                    name=FRAC_NAMES)
-
-
-@pytest.mark.parametrize("path", _params(FRAC_PATHS, fast=("xla",)))
-def test_frac_scan_bf16_forward(path):
-  (y, state), _ = frac_run(path, BF16, False)
-  assert y.dtype == BF16 and state.dtype == F32
-  y_ref, state_ref = frac_reference(BF16)
-  check(y, y_ref, rtol=FRAC_TOL[BF16], name=f"{path} y bf16")
-  check(state, state_ref, rtol=FRAC_TOL[BF16], name=f"{path} state bf16")
-
-
-def test_frac_scan_zero_initial_state_and_step():
-  """initial_state=None (XLA path), and frac_step token by token from a given state."""
-  args = _frac_args(F32)
-  y, state = jax.jit(FRAC_PATHS["xla"])(*args[:6])
-  y_ref, state_ref = frac_reference(F32, with_state=False)
-  check(y, y_ref, rtol=FRAC_TOL[F32], name="y from zeros")
-  check(state, state_ref, rtol=FRAC_TOL[F32], name="state from zeros")
-  step = jax.jit(frac_ops.frac_step)
-  x, dt, b, c, rates, weights, state = args
-  ys = []
-  for t in range(x.shape[1]):
-    y_t, state = step(state, x[:, t], dt[:, t], b[:, t], c[:, t], rates, weights)
-    ys.append(y_t)
-  y_ref, state_ref = frac_reference(F32)
-  check(jnp.stack(ys, axis=1), y_ref, rtol=FRAC_TOL[F32], name="frac_step y")
-  check(state, state_ref, rtol=FRAC_TOL[F32], name="frac_step state")
-
-
-def test_frac_memory_is_the_power_law():
-  """With the project's modes for alpha_h, the scan's output is the convolution with the
-  exact power-law kernel (1 + (T_t - T_tau))^(-alpha_h) to within the fit's 0.4%
-  (positive x, B, C, so no cancellation; warped time stays below 4 * context)."""
-  rng = np.random.default_rng(7)
-  bt, length, heads, p, n = 1, 40, 3, 2, 2
-  alphas = np.array([0.25, 0.5, 0.9])
-  context = 32
-  x = rng.uniform(0.5, 1.5, (bt, length, heads, p))
-  dt = rng.uniform(0.3, 2.5, (bt, length, heads))
-  b = rng.uniform(0.5, 1.5, (bt, length, heads, n))
-  c = rng.uniform(0.5, 1.5, (bt, length, heads, n))
-  assert np.sum(dt, axis=1).max() < 4 * context
-  rates, weights = frac_ops.soe_modes(jnp.asarray(alphas, F32), context=context)
-  y, _ = jax.jit(FRAC_PATHS["xla"])(*(_cast(a, F32) for a in (x, dt, b, c)), rates, weights)
-  power_law = [lambda u, a=a: (1.0 + u) ** -a for a in alphas]
-  expected = ind.memory_convolution(x, dt, b, c, power_law)
-  rel = np.abs(_as_f64(y) / expected - 1)
-  assert rel.max() < 4e-3, rel.max()
-  # ... and the recurrence written here, with the same modes, is that convolution exactly.
-  y_loop, _ = ind.frac_scan(x, dt, b, c, _as_f64(rates), _as_f64(weights))
-  soe = [lambda u, h=h: ind.sum_of_exponentials(_as_f64(rates[h]), _as_f64(weights[h]), u)
-         for h in range(heads)]
-  np.testing.assert_allclose(y_loop, ind.memory_convolution(x, dt, b, c, soe), rtol=1e-10)
 
 
 # ========================================================================================
@@ -686,7 +425,7 @@ FFN_DTYPES = {F32: (F32,) * 5, BF16: (BF16, F32, BF16, BF16, BF16)}
 
 
 def _ffn_args(dtype):
-  return tuple(_cast(a, t) for a, t in zip(FFN_INPUTS, FFN_DTYPES[dtype], strict=True))
+  return tuple(cast(a, t) for a, t in zip(FFN_INPUTS, FFN_DTYPES[dtype], strict=True))
 
 
 @functools.lru_cache(maxsize=None)
@@ -704,12 +443,12 @@ def ffn_run(path, dtype, grads):
     if not grads:
       return op(*args), None
     out, vjp = jax.vjp(op, *args)
-    return out, vjp(_cast(FFN_W, dtype))
+    return out, vjp(cast(FFN_W, dtype))
 
   return jax.jit(run)(*args)
 
 
-@pytest.mark.parametrize("path", _params(FFN_PATHS, fast=("reference", "xla", "mosaic", "triton")))
+@pytest.mark.parametrize("path", params(FFN_PATHS, fast=("reference", "xla", "mosaic", "triton")))
 def test_mhffn_forward_and_grads(path):
   out, grads = ffn_run(path, F32, True)
   check(out, ind.mhffn(*FFN_INPUTS), rtol=FFN_TOL[F32], name=f"{path} out")
@@ -717,11 +456,11 @@ def test_mhffn_forward_and_grads(path):
                     name=FFN_NAMES)
 
 
-@pytest.mark.parametrize("path", _params(FFN_PATHS, fast=("xla", "mosaic")))
+@pytest.mark.parametrize("path", params(FFN_PATHS, fast=("xla", "mosaic")))
 def test_mhffn_bf16_forward(path):
   out, _ = ffn_run(path, BF16, False)
   assert out.dtype == BF16
-  expected = ind.mhffn(*(_as_f64(a) for a in _ffn_args(BF16)))
+  expected = ind.mhffn(*(as_f64(a) for a in _ffn_args(BF16)))
   check(out, expected, rtol=FFN_TOL[BF16], name=f"{path} bf16")
 
 
@@ -745,6 +484,6 @@ def test_flashffn_layer_formula(impl, head_norm):
   nnx.replace_by_pure_dict(state, params)
   nnx.update(layer, state)
   x = rng.standard_normal((2, 11, d))
-  got = nnx.jit(lambda layer, x: layer(x))(layer, _cast(x, F32))
+  got = nnx.jit(lambda layer, x: layer(x))(layer, cast(x, F32))
   expected = ind.flashffn_layer(x, params, num_heads=heads, head_norm=head_norm)
   check(got, expected, rtol=1e-5, name=f"FlashFFN {impl}")  # measured <= 2.4e-7
