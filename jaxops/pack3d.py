@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxops import checks
+from jaxops import pack3d_levels as levels_lib
 from jaxops.pack3d_layout import CubeLayout, cube_layout, is_far, poison_overflow
 from jaxops.rope import axial_rope_3d_float
 
@@ -188,7 +189,7 @@ def _attend_chunk(q, k_cubes, v_cubes, key_valid, kbar, vbar, far_bias, neighbou
 
   q [c, T, H, D]; k_cubes, v_cubes [C, T, H, D]; key_valid [C, T]; kbar, vbar [C, H, D];
   far_bias [c, C]; neighbours [c, K]; num_neighbours [c]; gates [c, T, H, 2] or None;
-  far_offset [H] float32 or None.
+  far_offset float32 [H] (every summary's) or [H, C] (per summary), or None.
   Returns [c, T, H, D] float32.
   """
   c, t, h, d = q.shape
@@ -201,7 +202,8 @@ def _attend_chunk(q, k_cubes, v_cubes, key_valid, kbar, vbar, far_bias, neighbou
   s_loc = jnp.where(valid, s_loc, MASK)
   s_far = jnp.einsum("cqhd,bhd->chqb", q.astype(_F32), kbar) * scale + far_bias[:, None, None]
   if far_offset is not None:
-    s_far = s_far + far_offset[None, :, None, None]
+    s_far = s_far + (far_offset[None, :, None, None] if far_offset.ndim == 1
+                     else far_offset[None, :, None, :])
   pv = lambda p, v_: jnp.einsum("chqk,ckhd->cqhd", p.astype(v_.dtype), v_,
                                 preferred_element_type=_F32)
   pvbar = lambda p: jnp.einsum("chqb,bhd->cqhd", p, vbar)
@@ -222,16 +224,30 @@ def _attend_chunk(q, k_cubes, v_cubes, key_valid, kbar, vbar, far_bias, neighbou
 def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                      radius_blocks: int = 1, block_bias: bool = True, gates=None,
                      summary_rope=None, far_offset=None, max_cubes: int | None = None,
-                     chunk: int = 16):
+                     chunk: int = 16, levels: int = 1, level_radius=None):
   """Fast XLA path of Pack3D attention; same arguments and result as the reference.
 
   Args (beyond the reference's):
     max_cubes: cube slots for traced coords (see module docstring); ignored otherwise.
     chunk: query cubes per step; each step is `jax.checkpoint`ed, so activation memory
       is O(chunk T (K T + C) H) for K neighbour cubes rather than O(N (K T + C) H).
+    levels: far-field levels (DESIGN.md section 3.1, `jaxops.pack3d_levels`); 1 is the
+      single level above. With levels >= 2 the far part is level-1 summaries of the cubes in
+      a query's level-2 neighbourhood, level-2 summaries beyond it up to the level-3 one, ...,
+      and level-L summaries of everything beyond; far_offset may be [H] or [levels, H];
+      `gates` and `summary_rope` are single-level options.
+    level_radius: the radii r_2..r_L in cubes of their own level (an int, levels - 1 ints,
+      or None: radius_blocks); each r_{k+1} >= ceil(r_k / 2).
   Returns:
     o [B, N, H, D] in q.dtype (matmuls in the input dtype, float32 accumulation).
   """
+  radii = levels_lib.level_radii(radius_blocks, levels, level_radius)
+  if levels > 1:
+    if gates is not None or summary_rope is not None:
+      raise ValueError("pack3d_attention: `gates` and `summary_rope` are single-level options;"
+                       f" got levels={levels}")
+    beta = levels_lib.offsets_per_level(far_offset, levels, q.shape[2])
+    far_offset = None if beta is None else beta[0]     # the [H] form, for the input checks
   check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks, gates, far_offset)
   checks.ints("pack3d_attention", {"chunk": chunk})
   offset = None if far_offset is None else jnp.asarray(far_offset, _F32)
@@ -255,6 +271,35 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
 
   count = layout.count
   bias = jnp.where(count > 0, jnp.log(jnp.maximum(count, 1.0)) if block_bias else 0.0, MASK)
+  if levels > 1:
+    return _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias, beta)
   o_c = jax.vmap(one_entry)(q_c, k_c, v_c, layout.key_valid(), kbar, vbar, layout.keys, bias,
                             layout.neighbours, layout.num_neighbours, g_c)
+  return poison_overflow(layout, layout.from_cubes(o_c)).astype(q.dtype)
+
+
+def _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias, beta):
+  """The XLA path with levels >= 2: the single level's local part; far summaries of every
+  level, a query cube's Far_1..Far_L chosen by `pack3d_levels.far_masks`, one softmax."""
+  levels, cubes = len(radii), layout.num_cubes
+  keys, count, kbar_l, vbar_l = levels_lib.far_summaries(layout.keys, layout.count, kbar, vbar,
+                                                         levels)
+  bias = jnp.where(count > 0, jnp.log(jnp.maximum(count, 1.0)) if block_bias else 0.0, MASK)
+  flat = lambda x: x.reshape(x.shape[0], levels * cubes, *x.shape[3:])    # [B, L C, ...]
+  # beta [L, H] -> [H, L C]: each summary carries its level's offset.
+  offset = None if beta is None else jnp.repeat(beta.T, cubes, axis=1)
+
+  def one_entry(q_c, k_c, v_c, key_valid, kbar, vbar, level1_keys, keys, count, bias,
+                neighbours, num_nb):
+    def step(ids):
+      far = levels_lib.far_masks(level1_keys[ids], keys, count, radii)     # [c, L, C]
+      far_bias = jnp.where(far, bias[None], MASK).reshape(len(ids), levels * cubes)
+      return _attend_chunk(q_c[ids], k_c, v_c, key_valid, kbar, vbar, far_bias,
+                           neighbours[ids], num_nb[ids], None, offset)
+    o = jax.lax.map(jax.checkpoint(step), starts)
+    return o.reshape(-1, *o.shape[2:])[:cubes]
+
+  o_c = jax.vmap(one_entry)(q_c, k_c, v_c, layout.key_valid(), flat(kbar_l), flat(vbar_l),
+                            layout.keys, keys, count, bias, layout.neighbours,
+                            layout.num_neighbours)
   return poison_overflow(layout, layout.from_cubes(o_c)).astype(q.dtype)

@@ -1,0 +1,133 @@
+"""Pack3D's multi-level far field on the XLA path (`jaxops.pack3d`, `levels` >= 2) against the
+independent float64 reference written from DESIGN.md section 3.1 (`tests/independent_multilevel`,
+which shares no code with the fast path): outputs in float32 and bfloat16, gradients of q, k,
+v and the per-level far offset, the radius rule, and the arguments it refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jaxops import pack3d as ops
+from tests import independent_checks as ic
+from tests import independent_multilevel as iml
+
+BLOCK = (1, 2, 2)  # non-cubic level-1 cubes
+H, D = 2, 8
+
+
+def _grid(shape):
+  return np.stack(np.meshgrid(*[np.arange(n) for n in shape], indexing="ij"), -1).reshape(-1, 3)
+
+
+def _layout():
+  """One batch entry of 96 shuffled tokens: a (10, 3, 2) field less 3 random tokens (partial
+  cubes inside, 3+ level-3 cubes along z), a (2, 5, 3) field, and 9 padding tokens (their own
+  field id, as the data pipeline lays them out)."""
+  rng = np.random.default_rng(5)
+  a = _grid((10, 3, 2))
+  a = a[np.sort(rng.choice(len(a), len(a) - 3, replace=False))]
+  pad = np.stack([np.arange(9) // 4, np.arange(9) % 4, np.zeros(9, int)], -1)
+  coords = np.concatenate([a, _grid((2, 5, 3)), pad])
+  fields = np.array([4] * len(a) + [1] * 30 + [8] * 9)
+  perm = rng.permutation(len(fields))
+  return coords[perm][None].astype(np.int32), fields[perm][None].astype(np.int32)
+
+
+COORDS, FIELDS = _layout()
+N = FIELDS.shape[1]
+RNG = np.random.default_rng(0)
+Q, K, V = (RNG.standard_normal((1, N, H, D)) for _ in range(3))
+BETA = np.array([[0.6, -1.1], [-0.3, 0.9], [1.4, 0.2]])  # [L = 3, H]
+
+CASES = {  # name: (levels, radius_blocks, level_radius, beta)
+    "L1": (1, 1, None, None),
+    "L2_r1": (2, 1, None, None),
+    "L3_r1": (3, 1, None, "h"),
+    "L3_r0": (3, 0, None, "lh"),
+    "L3_r2_1": (3, 2, 1, None),
+    "L3_r1_2_1": (3, 1, (2, 1), "lh"),
+}
+
+
+def _beta(kind, levels):
+  return {None: None, "h": BETA[0], "lh": BETA[:levels]}[kind]
+
+
+def _xla(q, k, v, beta, levels, radius_blocks, level_radius):
+  return ops.pack3d_attention(q, k, v, COORDS, FIELDS, block_shape=BLOCK,
+                              radius_blocks=radius_blocks, levels=levels,
+                              level_radius=level_radius, far_offset=beta, chunk=3)
+
+
+def _reference(q, k, v, beta, levels, radius_blocks, level_radius):
+  return iml.multilevel_attention_reference(q, k, v, COORDS, FIELDS, block_shape=BLOCK,
+                                            radius_blocks=radius_blocks, levels=levels,
+                                            level_radius=level_radius, far_offset=beta)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)],
+                         ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_xla_path_matches_the_independent_reference(case, dtype, rtol):
+  levels, radius, level_radius, beta = CASES[case]
+  beta = _beta(beta, levels)
+  args = [ic.cast(a, dtype) for a in (Q, K, V)]
+  out = _xla(*args, None if beta is None else jnp.asarray(beta, jnp.float32), levels, radius,
+             level_radius)
+  assert out.dtype == dtype
+  expected = _reference(*(ic.rounded(a, dtype) for a in (Q, K, V)), beta, levels, radius,
+                        level_radius)
+  ic.check(out, expected, rtol=rtol, name=case)
+
+
+def test_levels_change_the_result():
+  """Guards the comparison above against a case where the levels coincide: on this layout
+  two and three levels give outputs other than one level's (coarser far summaries)."""
+  outs = [np.asarray(_xla(*(jnp.asarray(a, jnp.float32) for a in (Q, K, V)), None, L, 1, None))
+          for L in (1, 2, 3)]
+  assert np.max(np.abs(outs[1] - outs[0])) > 1e-3
+  assert np.max(np.abs(outs[2] - outs[1])) > 1e-3
+
+
+def test_gradients_match_the_reference_directional_derivatives():
+  """<dL/dX, dX> for q, k, v and the [L, H] far offset (L = sum(W * o)) against the central
+  difference of the float64 reference along the same random direction."""
+  levels, radius, level_radius = 3, 1, (2, 1)
+  rng = np.random.default_rng(3)
+  weight = rng.standard_normal((1, N, H, D))
+  inputs = (Q, K, V, BETA)
+  directions = [rng.standard_normal(a.shape) for a in inputs]
+  loss = lambda q, k, v, b: jnp.sum(jnp.asarray(weight, jnp.float32)
+                                    * _xla(q, k, v, b, levels, radius, level_radius))
+  grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*(jnp.asarray(a, jnp.float32) for a in inputs))
+  eps, derivs = 1e-4, []
+  for i, d in enumerate(directions):
+    shifted = lambda s: [a + s * eps * d if j == i else a for j, a in enumerate(inputs)]
+    plus, minus = (np.sum(weight * _reference(*shifted(s), levels, radius, level_radius))
+                   for s in (1, -1))
+    derivs.append((plus - minus) / (2 * eps))
+  ic.check_directional(grads, derivs, directions, rtol=1e-4, name="qkvb")
+
+
+def test_one_level_is_the_single_level_op():
+  args = [jnp.asarray(a, jnp.float32) for a in (Q, K, V)]
+  single = ops.pack3d_attention(*args, COORDS, FIELDS, block_shape=BLOCK, chunk=3)
+  assert np.array_equal(np.asarray(_xla(*args, None, 1, 1, None)), np.asarray(single))
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"levels": 0}, "`levels` must be an int >= 1"),
+    ({"levels": 3, "radius_blocks": 4, "level_radius": 1}, "level-2 radius 1 is below"),
+    ({"levels": 3, "level_radius": (1,)}, "`level_radius` needs levels - 1 = 2"),
+    ({"levels": 2, "far_offset": np.zeros((3, H))}, r"`far_offset` has shape \(3, 2\)"),
+    ({"levels": 2, "gates": np.zeros((1, N, H, 2))}, "single-level options"),
+    ({"levels": 2, "summary_rope": {"theta": 100.0}}, "single-level options"),
+])
+def test_bad_level_options_are_one_line_errors(options, match):
+  args = [jnp.asarray(a, jnp.float32) for a in (Q, K, V)]
+  with pytest.raises(ValueError, match=match):
+    ops.pack3d_attention(*args, COORDS, FIELDS, block_shape=BLOCK, **options)
