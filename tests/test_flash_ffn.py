@@ -1,10 +1,13 @@
 """FlashFFN: every path (XLA chunks, Mosaic, Triton and Mosaic GPU kernel bodies) against the
-reference, the GPU kernel choice per chip, bad input and the layers. The properties every
-kernel shares (determinism, lowering, races, bf16) are in tests/test_kernel_properties.py."""
+reference, the GPU kernel choice per chip, bad input and the layers (FlashFFN's and SwiGLU's
+formulas and initialisations against float64 numpy, tests/layer_formula_checks.py). The
+properties every kernel shares (determinism, lowering, races, bf16) are in
+tests/test_kernel_properties.py."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +22,8 @@ from models.flash_ffn import flashffn_param_count, heads_and_router
 from pallas_kernels import flash_ffn as kernel
 from pallas_kernels.dispatch import mosaic_gpu_available
 from tests import kernel_checks
+from tests.layer_formula_checks import (P, build, close, normal, randomize, rms_norm,
+                                         run, sigmoid, silu, stats_match)
 
 # Odd L, several experts, d_e spanning two tiles with a partial one (24 = 16 + 8 padded).
 B, L, H, D_H, E, D_E = 2, 77, 2, 16, 3, 24
@@ -300,3 +305,72 @@ def test_rms_normalize_gradient_matches_autodiff():
   g = jax.vjp(rms_normalize, x)[1](cot)[0]
   g_ref = jax.vjp(plain, x)[1](cot)[0]
   kernel_checks.assert_close(g, g_ref, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- formulas and init
+
+def test_swiglu_formula_and_init():
+  layer = build(SwiGLU, 32, 48)
+  x = normal(1, (2, 7, 32))
+  expected = (silu(x @ P(layer.w_gate)) * (x @ P(layer.w_up))) @ P(layer.w_down)
+  close(run(layer, x.astype(np.float32)), expected)
+  # lecun_normal: std 1/sqrt(fan_in)
+  for name, fan_in in (("w_gate", 32), ("w_up", 32), ("w_down", 48)):
+    stats_match(getattr(layer, name)[...], std=fan_in ** -0.5, name=name)
+
+
+def flashffn_numpy(layer, x, heads):
+  """DESIGN.md section 2, steps 1-5, with the per-head RMSNorm (default on) and its gain."""
+  b, l, d = x.shape
+  d_h = d // heads
+  q = (x @ P(layer.w_in)).reshape(b, l, heads, d_h)
+  q = rms_norm(q, P(layer.norm_gain))
+  out = np.zeros((b, l, heads, d_h))
+  k, u, v, router = P(layer.k), P(layer.u), P(layer.v), P(layer.router)
+  for h in range(heads):
+    sig = sigmoid(q[:, :, h] @ router[h])                       # [b, l, E]
+    r = sig / np.maximum(sig.sum(-1, keepdims=True), 1e-20)
+    for e in range(k.shape[1]):
+      a = silu(q[:, :, h] @ k[h, e].T) * (q[:, :, h] @ u[h, e].T)
+      out[:, :, h] += r[..., e:e + 1] * (a @ v[h, e])
+  return out.reshape(b, l, d) @ P(layer.w_out)
+
+
+def test_flashffn_formula_with_defaults():
+  """Defaults (head norm on) and the formula, through the layer's fast XLA path."""
+  layer = build(FlashFFN, 32, 2, 3, 16, impl="xla")
+  randomize(layer.norm_gain, 1)
+  layer.router[...] = layer.router[...] * 50   # a router far from uniform
+  x = normal(2, (2, 9, 32))
+  close(run(layer, x.astype(np.float32)), flashffn_numpy(layer, x, heads=2))
+
+
+def test_flashffn_paper_init():
+  """init="paper": W_in, W_out Xavier-uniform gain 0.707; K, U, V normal(0, 0.02); router
+  truncated normal(0, 0.02) (cut at 2 sigma); norm gain ones (DESIGN.md section 2)."""
+  d, heads, experts, d_e = 128, 2, 4, 64
+  layer = build(FlashFFN, d, heads, experts, d_e, init="paper")
+  bound = 0.707 * math.sqrt(6 / (d + d))
+  for name in ("w_in", "w_out"):
+    stats_match(getattr(layer, name)[...], std=bound / math.sqrt(3), bound=bound, name=name)
+  for name in ("k", "u", "v"):
+    stats_match(getattr(layer, name)[...], std=0.02, name=name)
+  router = np.asarray(layer.router[...])
+  assert router.shape == (heads, d // heads, experts)
+  # jax's truncated_normal(0.02) has std 0.02 and support +-2 * 0.02 / 0.8796
+  stats_match(router, std=0.02, bound=2 * 0.02 / 0.87962566103423978, name="router")
+  np.testing.assert_array_equal(layer.norm_gain[...], np.ones((heads, d // heads)))
+
+
+def test_flashffn_scaled_init():
+  """The default init (models/flash_ffn.py): W_in, W_out LeCun normal N(0, 1/d) (truncated at
+  2 sigma, std exactly 1/sqrt(d)); K, U ~ N(0, 1/d_h); V ~ N(0, E/d_e); router as the paper's."""
+  d, heads, experts, d_e = 128, 2, 4, 64
+  layer = build(FlashFFN, d, heads, experts, d_e)
+  for name in ("w_in", "w_out"):
+    stats_match(getattr(layer, name)[...], std=d ** -0.5,
+                bound=2 * d ** -0.5 / 0.87962566103423978, name=name)
+  for name in ("k", "u"):
+    stats_match(getattr(layer, name)[...], std=(d // heads) ** -0.5, name=name)
+  stats_match(layer.v[...], std=math.sqrt(experts / d_e), name="v")
+  stats_match(layer.router[...], std=0.02, bound=2 * 0.02 / 0.87962566103423978, name="router")

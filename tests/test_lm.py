@@ -1,4 +1,8 @@
-"""LanguageModel: decoding (KV cache / recurrent state) against the full forward, options, errors."""
+"""LanguageModel: decoding (KV cache / recurrent state) against the full forward, options,
+errors; the model and its causal attention against their formulas in float64 numpy
+(tests/layer_formula_checks.py), and their initialisation."""
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +11,10 @@ import pytest
 from flax import nnx
 
 import models.frac  # noqa: F401  (imported, not skipped: an import error must fail here)
+from models.attention import CausalAttention
 from models.lm import LanguageModel
+from tests.layer_formula_checks import (P, build, close, normal, randomize, rms_norm, rngs,
+                                         rope_1d, run, stats_match, swiglu_numpy)
 
 FFNS = {"swiglu": {"d_ff": 48}, "flashffn": {"num_heads": 2, "num_experts": 2, "d_expert": 16}}
 
@@ -90,3 +97,52 @@ def test_generate_beyond_the_kv_cache_fails():
   with pytest.raises(ValueError, match="context"):
     tiny().generate(jnp.zeros((1, 20), jnp.int32), 10)
 
+
+# ----------------------------------------------------------------------------- formulas and init
+
+def causal_attention_numpy(layer, x, theta=10000.0):
+  """models/attention.py's docstring: projections, 1D RoPE on t = 0..L-1, causal softmax."""
+  wq, wk, wv, wo = (P(w) for w in (layer.wq, layer.wk, layer.wv, layer.wo))
+  q, k, v = (np.einsum("bld,dhk->blhk", x, w) for w in (wq, wk, wv))
+  positions = np.arange(x.shape[1], dtype=np.float64)
+  q, k = rope_1d(q, positions, theta), rope_1d(k, positions, theta)
+  logits = np.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+  logits = np.where(np.tril(np.ones((x.shape[1],) * 2, bool)), logits, -np.inf)
+  probs = np.exp(logits - logits.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  o = np.einsum("bhqk,bkhd->bqhd", probs, v)
+  return np.einsum("bqhd,hdm->bqm", o, wo)
+
+
+def test_causal_attention_formula_and_init():
+  layer = build(CausalAttention, 32, 2, context=64)
+  x = normal(1, (2, 40, 32))
+  close(run(layer, x.astype(np.float32)), causal_attention_numpy(layer, x))
+  for name in ("wq", "wk", "wv", "wo"):     # normal(0, d^-1/2)
+    stats_match(getattr(layer, name)[...], std=32 ** -0.5, name=name)
+
+
+def test_language_model_formula_and_init():
+  """tokens -> embedding -> pre-norm blocks (attention, SwiGLU) -> RMSNorm -> head."""
+  model = build(LanguageModel, d_model=16, num_layers=2, num_heads=2, context=32,
+                ffn_options={"d_ff": 24})
+  for i, norm in enumerate([model.norm] + [n for b in model.blocks for n in (b.norm1, b.norm2)]):
+    randomize(norm.scale, 20 + i)
+  tokens = np.random.default_rng(1).integers(0, 256, (2, 11)).astype(np.int32)
+  x = P(model.embed)[tokens]
+  for block in model.blocks:
+    x = x + causal_attention_numpy(block.mixer, rms_norm(x, P(block.norm1.scale)))
+    x = x + swiglu_numpy(block.ffn, rms_norm(x, P(block.norm2.scale)))
+  expected = rms_norm(x, P(model.norm.scale)) @ P(model.head)
+  logits = run(model, tokens)
+  assert logits.dtype == jnp.float32
+  close(logits, expected)
+  # init: embedding normal(0, 1), head normal(0, d^-1/2); the FRAC mixer gets the context
+  stats_match(model.embed[...], std=1.0, name="embed")
+  stats_match(model.head[...], std=16 ** -0.5, name="head")
+  frac = nnx.eval_shape(lambda: LanguageModel(
+      d_model=16, num_layers=1, num_heads=2, context=4096, mixer="frac",
+      mixer_options={"head_dim": 8, "state_dim": 4}, ffn_options={"d_ff": 8},
+      rngs=rngs()))
+  mixer = frac.blocks[0].mixer
+  assert (mixer.context, mixer.num_heads, mixer.num_modes) == (4096, 2, 16)

@@ -1,10 +1,12 @@
 """Pack3DAttention layer: impls agree, repacking invariance of axial RoPE (and its absence
-for the packed-index baselines), the learnable far offset (also split over heads), options
-and bad configuration."""
+for the packed-index baselines), the learnable far offset (also split over heads), options,
+bad configuration; the layer with its defaults against its formula in float64 numpy
+(tests/layer_formula_checks.py), and its initialisation."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,8 @@ from jaxops import packing
 from models import partitioning
 from models.pack3d import Pack3DAttention
 from tests import kernel_checks
+from tests.layer_formula_checks import (build, close, normal, pack3d_layer_numpy,
+                                         stats_match, two_fields)
 from tests.test_pack3d import BLOCK, COORDS, FIELD_IDS
 from train.optim import decay_mask
 
@@ -169,3 +173,23 @@ def test_bad_shapes_are_errors():
     layer(position="learned_packed", max_len=10)(X, COORDS, FIELD_IDS)
   with pytest.raises(ValueError, match="`coords` has shape"):
     layer(impl="xla")(X, np.asarray(COORDS)[:, :, :2], FIELD_IDS)
+
+
+# ----------------------------------------------------------------------------- formula and init
+
+def test_pack3d_attention_formula_with_defaults():
+  coords, field_ids = two_fields()
+  layer = build(Pack3DAttention, 36, 2, impl="xla")   # head dim 18: m = 3 per axis
+  x = normal(1, coords.shape[:2] + (36,))
+  got = nnx.jit(lambda m, x: m(x, coords, field_ids))(layer, jnp.asarray(x, jnp.float32))
+  close(got, pack3d_layer_numpy(layer, x, coords, field_ids, heads=2))
+
+
+def test_pack3d_attention_init():
+  """Xavier-uniform (gain 1) W_qkv [d, 3d] (stored [d, 3, d]) and W_out [d, d]."""
+  d = 96
+  layer = build(Pack3DAttention, d, 2)
+  assert layer.w_qkv.shape == (d, 3, d)
+  for name, fan_out in (("w_qkv", 3 * d), ("w_out", d)):
+    bound = math.sqrt(6 / (d + fan_out))
+    stats_match(getattr(layer, name)[...], std=bound / math.sqrt(3), bound=bound, name=name)

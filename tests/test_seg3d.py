@@ -1,4 +1,5 @@
-"""Pack3DSegmenter, UNet3D and the 3D segmentation training binary."""
+"""Pack3DSegmenter, UNet3D and the 3D segmentation training binary; both models against their
+formulas in float64 numpy (tests/layer_formula_checks.py), and their initialisation."""
 
 import functools
 
@@ -15,6 +16,9 @@ from train import seg3d_task, trainer
 from train.data import volumes
 from train.metrics import read_metrics
 from tests import binaries
+from tests.layer_formula_checks import (P, build, close, normal, pack3d_layer_numpy,
+                                         randomize, rms_norm, run, silu, stats_match,
+                                         swiglu_numpy, two_fields)
 
 
 RNGS = lambda: nnx.Rngs(jax.random.key(0, impl="rbg"))   # fast-compiling init
@@ -98,3 +102,85 @@ def test_sharded_pallas_pack3d_equals_one_device(tmp_path):
     trainer.fit(c, tmp_path / name, seg3d_task.build_task(c))
     runs.append([r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in r])
   np.testing.assert_allclose(runs[1], runs[0], rtol=2e-5)
+
+
+# ----------------------------------------------------------------------------- formulas and init
+
+def test_pack3d_segmenter_formula_and_init():
+  """tokens -> linear patch embedding (+ bias) -> Block(Pack3DAttention, SwiGLU) -> RMSNorm
+  -> head -> [B, N, p^3, K]."""
+  coords, field_ids = two_fields(seed=1)
+  patch, classes, d = (2, 2, 2), 3, 12
+  model = build(Pack3DSegmenter, patch=patch, num_classes=classes, d_model=d, depth=1,
+                num_heads=2, ffn_options={"d_ff": 16})
+  randomize(model.embed_bias, 1, center=0.0)
+  for i, norm in enumerate((model.norm, model.blocks[0].norm1, model.blocks[0].norm2)):
+    randomize(norm.scale, 2 + i)
+  tokens = normal(3, coords.shape[:2] + (8,))
+  x = tokens @ P(model.embed) + P(model.embed_bias)
+  block = model.blocks[0]
+  x = x + pack3d_layer_numpy(block.mixer, rms_norm(x, P(block.norm1.scale)), coords, field_ids,
+                             heads=2)
+  x = x + swiglu_numpy(block.ffn, rms_norm(x, P(block.norm2.scale)))
+  expected = (rms_norm(x, P(model.norm.scale)) @ P(model.head)).reshape(
+      coords.shape[:2] + (8, classes))
+  got = nnx.jit(lambda m, t: m(t, coords, field_ids))(model, jnp.asarray(tokens, jnp.float32))
+  close(got, expected)
+  fresh = build(Pack3DSegmenter, patch=(4, 4, 4), num_classes=4, d_model=24, depth=1,
+                num_heads=2, ffn_options={"d_ff": 8})
+  stats_match(fresh.embed[...], std=64 ** -0.5, name="embed")   # normal / sqrt(p^3 C)
+  stats_match(fresh.head[...], std=24 ** -0.5, name="head")     # normal / sqrt(d)
+  np.testing.assert_array_equal(fresh.embed_bias[...], np.zeros(24))
+
+
+def conv3d_same(x, kernel, bias):
+  """Cross-correlation with zero 'SAME' padding: x [B, Z, Y, X, C], kernel [kz, ky, kx, C, O]."""
+  kz, ky, kx = kernel.shape[:3]
+  pad = [(0, 0)] + [((k - 1) // 2, k // 2) for k in (kz, ky, kx)] + [(0, 0)]
+  xp = np.pad(x, pad)
+  z, y, w = x.shape[1:4]
+  out = np.zeros(x.shape[:4] + (kernel.shape[-1],))
+  for a in range(kz):
+    for b in range(ky):
+      for c in range(kx):
+        out += xp[:, a:a + z, b:b + y, c:c + w] @ kernel[a, b, c]
+  return out + bias
+
+
+def up2(x, kernel, bias):
+  """flax ConvTranspose, kernel 2, stride 2: each voxel becomes a 2x2x2 block, out[2i + a]
+  = x[i] kernel[1 - a] (lax.conv_transpose without kernel transposition)."""
+  bsz, z, y, w, _ = x.shape
+  out = np.zeros((bsz, 2 * z, 2 * y, 2 * w, kernel.shape[-1]))
+  for a in range(2):
+    for b in range(2):
+      for c in range(2):
+        out[:, a::2, b::2, c::2] = x @ kernel[1 - a, 1 - b, 1 - c]
+  return out + bias
+
+
+def conv_block(block, x):
+  for conv, norm in zip(block.convs, block.norms):
+    x = silu(rms_norm(conv3d_same(x, P(conv.kernel), P(conv.bias)), P(norm.scale)))
+  return x
+
+
+def test_unet3d_formula():
+  """models/unet3d.py's docstring: per level two (3^3 conv -> RMSNorm -> SiLU), 2^3 max-pool
+  down, transposed conv up, concat [up, skip], two convs, 1^3 conv out."""
+  model = build(UNet3D, in_channels=2, num_classes=3, base_channels=2, levels=2)
+  for i, (_, p) in enumerate(nnx.iter_graph(model)):
+    if isinstance(p, nnx.Param) and p[...].ndim == 1:       # biases and norm scales
+      randomize(p, 30 + i, center=0.5)
+  image = normal(1, (1, 4, 4, 6, 2))
+  skip = conv_block(model.down[0], image)
+  b, z, y, w, c = skip.shape
+  pooled = skip.reshape(b, z // 2, 2, y // 2, 2, w // 2, 2, c).max(axis=(2, 4, 6))
+  deep = conv_block(model.down[1], pooled)
+  up = up2(deep, P(model.up[0].kernel), P(model.up[0].bias))
+  x = conv_block(model.merge[0], np.concatenate([up, skip], -1))
+  expected = conv3d_same(x, P(model.out.kernel), P(model.out.bias))
+  out = run(model, image.astype(np.float32))
+  assert out.dtype == jnp.float32
+  close(out, expected)
+  assert [blk.convs[0].kernel.shape[-1] for blk in model.down] == [2, 4]  # base * 2^level
