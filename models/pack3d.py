@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxops import checks
+from jaxops import pack3d_levels as levels_lib
 from jaxops import rope
 from models import impl as impl_table
 from models.impl import Impl, resolve_impl
@@ -54,6 +55,11 @@ class Pack3DAttention(nnx.Module):
       Off by default: the paper's fixed bias stays the default unless an experiment shows the
       offset trains better. With merge "gated" the offset cancels inside the separately
       normalized far branch (no effect, gradient 0); with "local" there is no far branch.
+    levels, level_radius: the multi-level far field (DESIGN.md section 3.1): levels = 1 (the
+      default) is the paper's single level; with levels >= 2 farther cubes are summarized by
+      coarser cubes (level k: 2^(k-1) block_shape per axis), level_radius the radii r_2..r_L
+      (None: radius_blocks). XLA path only for now ("auto" picks it); one far offset per head
+      shared by the levels.
     dtype: compute dtype (params are cast to it); None uses the input's dtype.
   """
 
@@ -62,7 +68,8 @@ class Pack3DAttention(nnx.Module):
                interpret=None, max_len: int | None = None, block_bias: bool = True,
                merge: str = "joint", rotate_summaries: str = "before", rope_theta: float = 10000.0,
                spacing: Sequence[float] = (1.0, 1.0, 1.0), max_cubes: int | None = None,
-               far_offset: bool = False, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               far_offset: bool = False, levels: int = 1, level_radius=None, dtype=None,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
     owner = "Pack3DAttention"
     checks.ints(owner, dict(d_model=d_model, num_heads=num_heads,
                             **checks.given(max_len=max_len, max_cubes=max_cubes)))
@@ -84,14 +91,22 @@ class Pack3DAttention(nnx.Module):
     checks.one_of(owner, "rotate_summaries", rotate_summaries, ("before", "after"))
     if rotate_summaries == "after" and position != "axial_rope":
       raise ValueError("Pack3DAttention: rotate_summaries='after' needs position='axial_rope'")
+    levels_lib.level_radii(radius_blocks, levels, level_radius)
+    if levels > 1 and (impl in ("pallas", "reference") or merge != "joint"
+                       or rotate_summaries != "before"):
+      raise ValueError(f"Pack3DAttention: levels={levels} needs impl 'auto' or 'xla', merge "
+                       f"'joint' and rotate_summaries 'before' (got impl={impl!r}, merge={merge!r},"
+                       f" rotate_summaries={rotate_summaries!r})")
     self.num_heads, self.head_dim = num_heads, head_dim
     self.position, self.merge = position, merge
-    self.impl = resolve_impl(owner, impl, has_kernel=merge == "joint")
+    self.impl = resolve_impl(owner, impl, has_kernel=merge == "joint" and levels == 1)
     self.interpret = interpret
     self.rope = dict(theta=rope_theta, spacing=tuple(spacing))
     self.op_kwargs = dict(block_shape=tuple(block_shape), radius_blocks=radius_blocks,
                           block_bias=block_bias,
                           summary_rope=self.rope if rotate_summaries == "after" else None)
+    if levels > 1:
+      self.op_kwargs.update(levels=levels, level_radius=level_radius)
     self.max_cubes, self.dtype = max_cubes, dtype
     xavier = jax.nn.initializers.xavier_uniform()
     # logical axes (models.partitioning): w_qkv [d, 3, H d_h] holds q, k, v, head-major

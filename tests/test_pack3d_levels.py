@@ -131,3 +131,30 @@ def test_bad_level_options_are_one_line_errors(options, match):
   args = [jnp.asarray(a, jnp.float32) for a in (Q, K, V)]
   with pytest.raises(ValueError, match=match):
     ops.pack3d_attention(*args, COORDS, FIELDS, block_shape=BLOCK, **options)
+
+
+def test_layer_with_levels_is_its_formula():
+  """Pack3DAttention(levels=3): x W_qkv -> axial RoPE on the coordinates -> the multi-level op
+  -> W_out; `impl="auto"` resolves to the XLA path on every platform."""
+  from flax import nnx
+  from jaxops import rope
+  from models import Pack3DAttention
+  layer = Pack3DAttention(12, H, block_shape=BLOCK, levels=3, level_radius=(2, 1),
+                          rngs=nnx.Rngs(0))
+  assert layer.impl == "xla"
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((1, N, 12)), jnp.float32)
+  qkv = (x @ layer.w_qkv[...].reshape(12, -1)).reshape(1, N, 3, H, 6)
+  q, k = (rope.axial_rope_3d(t, COORDS) for t in (qkv[:, :, 0], qkv[:, :, 1]))
+  o = ops.pack3d_attention(q, k, qkv[:, :, 2], COORDS, FIELDS, block_shape=BLOCK, levels=3,
+                           level_radius=(2, 1))
+  expected = o.reshape(1, N, 12) @ layer.w_out[...]
+  np.testing.assert_allclose(layer(x, COORDS, FIELDS), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [{"impl": "pallas"}, {"merge": "local"},
+                                     {"rotate_summaries": "after"}])
+def test_layer_refuses_levels_where_it_has_no_path(options):
+  from flax import nnx
+  from models import Pack3DAttention
+  with pytest.raises(ValueError, match="levels=2 needs impl 'auto' or 'xla'"):
+    Pack3DAttention(12, H, levels=2, rngs=nnx.Rngs(0), **options)

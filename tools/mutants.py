@@ -43,7 +43,7 @@ LM = "tests/test_lm.py"
 P3L = "tests/test_pack3d_layer.py"
 SEG = "tests/test_seg3d.py"
 TS = "tests/test_trainer_semantics.py"
-PI = "tests/test_independent.py"
+P3I = "tests/test_pack3d_independent.py"
 KP = "tests/test_kernel_properties.py"
 
 
@@ -361,6 +361,9 @@ MUTANTS = [
       "offset = None if beta is None else jnp.repeat(beta.T, cubes, axis=1)",
       "offset = None if beta is None else beta[0]",
       "tests/test_pack3d_levels.py"),
+    m("pack3d_layer_levels_not_passed", "models/pack3d.py",
+      "      self.op_kwargs.update(levels=levels, level_radius=level_radius)", "      pass",
+      "tests/test_pack3d_levels.py::test_layer_with_levels_is_its_formula"),
     m("pack3d_levels_radius_rule_off", "jaxops/pack3d_levels.py",
       "if k < levels and radii[k] < math.ceil(r / 2):", "if False:",
       "tests/test_pack3d_levels.py::test_bad_level_options_are_one_line_errors"),
@@ -375,46 +378,46 @@ MUTANTS = [
     # ------------------------------------------------------------------ Pack3D far offset
     m("pack3d_reference_far_offset_dropped", "jaxops/pack3d.py",
       "s_far = s_far + jnp.asarray(far_offset, _F32)[None, :, None, None]", "s_far = s_far",
-      f"{PI}::test_pack3d_far_offset_forward_and_grads[reference-default]"),
+      f"{P3I}::test_pack3d_far_offset_forward_and_grads[reference-default]"),
     m("pack3d_xla_far_offset_dropped", "jaxops/pack3d.py",
       "s_far = s_far + (far_offset[None, :, None, None] if far_offset.ndim == 1",
       "s_far = s_far + 0 * (far_offset[None, :, None, None] if far_offset.ndim == 1",
-      f"{PI}::test_pack3d_far_offset_forward_and_grads[xla-default]"),
+      f"{P3I}::test_pack3d_far_offset_forward_and_grads[xla-default]"),
     m("pack3d_mosaic_fwd_far_offset_dropped", "pallas_kernels/pack3d_attention/mosaic.py",
       "cols_ref, off_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, plan: TilePlan):\n"
       "  a, j = pl.program_id(1), pl.program_id(2)",
       "cols_ref, off_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, plan: TilePlan):\n"
       "  a, j, off_ref = pl.program_id(1), pl.program_id(2), None",
-      f"{PI}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
+      f"{P3I}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
     m("pack3d_mosaic_dq_far_offset_dropped", "pallas_kernels/pack3d_attention/mosaic.py",
       "plan: TilePlan):\n  a, j = pl.program_id(1), pl.program_id(2)\n\n"
       "  @pl.when(j == 0)\n  def _():\n    dq_sc",
       "plan: TilePlan):\n  a, j, off_ref = pl.program_id(1), pl.program_id(2), None\n\n"
       "  @pl.when(j == 0)\n  def _():\n    dq_sc",
-      f"{PI}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
+      f"{P3I}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
     m("pack3d_mosaic_summary_grads_without_offset", "pallas_kernels/pack3d_attention/mosaic.py",
       "_far(plan, cols_ref, rows_ref, a, off_ref)", "_far(plan, cols_ref, rows_ref, a, None)",
-      f"{PI}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
+      f"{P3I}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
     m("pack3d_mosaic_d_far_offset_dropped", "pallas_kernels/pack3d_attention/mosaic.py",
       "doff_sc[...] += ds_sum", "doff_sc[...] += 0.0 * ds_sum",
-      f"{PI}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
+      f"{P3I}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
     m("pack3d_mosaic_d_far_offset_not_reset", "pallas_kernels/pack3d_attention/mosaic.py",
       "      doff_sc[...] = jnp.zeros_like(doff_sc)\n", "      pass\n",
       f"{KP}::test_no_races_and_no_uninitialized_reads[pack3d-far_offset]"),
     m("pack3d_kernel_d_far_offset_sign", "pallas_kernels/pack3d_attention/__init__.py",
       "else jnp.sum(grads[5], axis=(0, 3))", "else -jnp.sum(grads[5], axis=(0, 3))",
-      f"{PI}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
+      f"{P3I}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
     m("pack3d_triton_fwd_far_offset_dropped", "pallas_kernels/pack3d_attention/triton.py",
       "tiles.finish(*_summary_loop(plan, cols_ref, rows_ref, off_ref, far, state))",
       "tiles.finish(*_summary_loop(plan, cols_ref, rows_ref, None, far, state))",
-      f"{PI}::test_pack3d_far_offset_forward_and_grads[triton-default]"),
+      f"{P3I}::test_pack3d_far_offset_forward_and_grads[triton-default]"),
     m("pack3d_triton_dq_far_offset_dropped", "pallas_kernels/pack3d_attention/triton.py",
       "_summary_loop(plan, cols_ref, rows_ref, off_ref, far, dq)",
       "_summary_loop(plan, cols_ref, rows_ref, None, far, dq)",
-      f"{PI}::test_pack3d_far_offset_forward_and_grads[triton-default]"),
+      f"{P3I}::test_pack3d_far_offset_forward_and_grads[triton-default]"),
     m("pack3d_triton_d_far_offset_dropped", "pallas_kernels/pack3d_attention/triton.py",
       "carry[2] + ds_sum", "carry[2]",
-      f"{PI}::test_pack3d_far_offset_forward_and_grads[triton-default]"),
+      f"{P3I}::test_pack3d_far_offset_forward_and_grads[triton-default]"),
     m("pack3d_layer_far_offset_not_passed", "models/pack3d.py",
       "kwargs = dict(self.op_kwargs, far_offset=None if self.far_offset is None\n"
       "                  else self.far_offset[...].astype(jnp.float32))",
