@@ -1,5 +1,5 @@
 """How the tests compare the project's fast paths with the float64 references of
-`tests/independent.py` (tests/test_independent.py, tests/test_frac_independent.py).
+`tests/independent.py` (tests/test_<op>_independent.py).
 
 Outputs: max|actual - expected| <= rtol * max|expected| (`check`). Gradients are checked
 without autodiff on the reference side: for each differentiable input X and a random

@@ -138,7 +138,7 @@ def test_gated_merge_cancels_the_far_offset():
   branch's own softmax: the XLA path and the reference give the output without it, and a
   gradient of ~0 for it (dq, dk, dv against the reference as usual). The offset on the joint
   softmax, with and without block_bias, is checked against the independent loop
-  (tests/test_independent.py)."""
+  (tests/test_pack3d_independent.py)."""
   q, k, v = make_qkv(jnp.float32, seed=8)
   gates = jax.nn.sigmoid(jax.random.normal(jax.random.key(9), q.shape[:3] + (2,)))
   kwargs = dict(block_shape=BLOCK, gates=gates)

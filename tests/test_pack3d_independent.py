@@ -1,16 +1,13 @@
-"""The fast paths of RoPE, Pack3D and FlashFFN against the independent float64 references of
-`tests/independent.py` (FRAC's: tests/test_frac_independent.py).
+"""Pack3D attention against the independent float64 references of `tests/independent.py`: a
+loop over query tokens with relative rotations R(p_j - p_i). Every path (XLA, traced coords,
+Mosaic and Triton bodies), forward and gradients (by central differences), the radius and
+bias options, bf16, the learnable far offset, and the project's axial RoPE feeding the XLA
+path.
 
-The references share no code with the project: they are DESIGN.md's formulas as loops,
-in numpy float64. Gradients are checked without autodiff on the reference side: for each
-differentiable input X and a random direction dX, the project's <dL/dX, dX> (from its
-VJP with a random cotangent W, L = sum(W * out)) must equal the float64 central
-difference d/de L_ref(X + e dX). Inputs are random (never zeros), sizes odd, and every
-bf16 reference is evaluated on the bf16-rounded inputs (so only the op's own rounding
-counts).
-
-Tolerances are max|actual - expected| <= rtol * max|expected|. The f32 ones are ~40x above
-the measured errors, the bf16 ones 2-4x (the numbers are in the comments next to them).
+Inputs are random (never zeros), sizes odd, and every bf16 reference is evaluated on the
+bf16-rounded inputs (so only the op's own rounding counts). The f32 tolerances are ~40x
+above the measured errors, the bf16 ones 2-4x (the numbers are in the comments next to
+them); how outputs and gradients are compared: `tests/independent_checks.py`.
 """
 
 from __future__ import annotations
@@ -21,100 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from jaxops import flash_ffn as ffn_ops
 from jaxops import pack3d as pack_ops
 from jaxops import rope as rope_ops
-from models import FlashFFN
-from pallas_kernels import flash_ffn as ffn_kernel
 from pallas_kernels import pack3d_attention as pack_kernel
-from pallas_kernels.dispatch import mosaic_gpu_available
 from tests import independent as ind
-from tests.independent_checks import as_f64, cast, check, check_directional, params, rounded
+from tests.independent_checks import cast, check, check_directional, params, rounded
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
-
-# ========================================================================================
-# RoPE: the frequency formula written out.
-# ========================================================================================
-
-ROPE_CASES = {
-    # name: (coordinate range, theta, spacing)
-    "small_default": (10, 10000.0, (1.0, 1.0, 1.0)),
-    "large_spaced": (3000, 500.0, (0.7, 1.3, 2.5)),
-}
-
-
-def _rope_inputs(case, d=18):
-  high, theta, spacing = ROPE_CASES[case]
-  rng = np.random.default_rng(1)
-  x = rng.standard_normal((2, 7, 3, d))
-  coords = rng.integers(0, high, size=(2, 7, 3)).astype(np.int32)
-  coords[0, 0] = (high - 1, 0, high // 2)
-  return x, coords, theta, spacing
-
-
-def _rope_rtol(dtype, coords, spacing):
-  """A float32 angle A = p s theta^(-k/m) is off by ~A 2^-24 (a few roundings of ~2^-24
-  relative): an absolute phase error of 4.5e-4 at A = 7500 (measured 7e-5 relative to
-  max|x| with coordinates up to 3000 and spacing 2.5; 8e-8 with small coordinates).
-  bf16 adds the output's own rounding, unit roundoff 2^-8 = 3.9e-3 relative (measured
-  2.2e-3 relative to max|x|; every output element was exactly the bf16 rounding of the
-  float32 result)."""
-  max_angle = float(np.max(np.abs(coords) * np.asarray(spacing)))
-  rtol = max_angle * 2.0 ** -24 + 1e-6
-  return rtol + (2.0 ** -8 if dtype == BF16 else 0.0)
-
-
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", list(ROPE_CASES))
-def test_axial_rope_matches_frequency_formula(case, dtype):
-  """axial_rope_3d == block-diagonal R(p) built from p_a s_a theta^(-k/m_a), per token."""
-  x, coords, theta, spacing = _rope_inputs(case)
-  got = rope_ops.axial_rope_3d(cast(x, dtype), jnp.asarray(coords), theta=theta,
-                               spacing=spacing)
-  assert got.dtype == dtype
-  expected = ind.axial_rope_3d(rounded(x, dtype), coords, theta=theta, spacing=spacing)
-  check(got, expected, rtol=_rope_rtol(dtype, coords, spacing), name=f"axial {case}")
-
-
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
-def test_rope_1d_matches_frequency_formula(dtype):
-  rng = np.random.default_rng(2)
-  x = rng.standard_normal((2, 9, 2, 10))
-  positions = {"int": rng.integers(0, 2000, size=(2, 9)).astype(np.int32),
-               "float": rng.uniform(0.0, 50.0, size=(2, 9)).astype(np.float32)}
-  for kind, pos in positions.items():
-    got = rope_ops.rope_1d(cast(x, dtype), jnp.asarray(pos), theta=300.0)
-    expected = ind.rope_1d(rounded(x, dtype), pos.astype(np.float64), theta=300.0)
-    rtol = float(np.max(pos)) * 2.0 ** -24 + 1e-6 + (2.0 ** -8 if dtype == BF16 else 0.0)
-    check(got, expected, rtol=rtol, name=f"rope_1d {kind}")
-
-
-def test_axial_rope_logits_are_relative_rotations():
-  """(R(p_i) q_i) . (R(p_j) k_j) through the project == q_i^T R(p_j - p_i) k_j built from the
-  offset alone (with spacing and large coordinates)."""
-  x, coords, theta, spacing = _rope_inputs("large_spaced")
-  q, k = x[0], x[1]  # [7, 3, 18] each
-  c = coords[0]
-  qr = as_f64(rope_ops.axial_rope_3d(cast(q, F32), jnp.asarray(c), theta=theta,
-                                      spacing=spacing))
-  kr = as_f64(rope_ops.axial_rope_3d(cast(k, F32), jnp.asarray(c), theta=theta,
-                                      spacing=spacing))
-  got = np.einsum("ihd,jhd->ijh", qr, kr)
-  expected = np.zeros_like(got)
-  for i in range(len(c)):
-    for j in range(len(c)):
-      rel = ind.rope_matrix_3d(c[j] - c[i], q.shape[-1], theta, spacing)
-      expected[i, j] = np.einsum("hd,de,he->h", rounded(q, F32)[i], rel, rounded(k, F32)[j])
-  check(got, expected, rtol=2 * _rope_rtol(F32, coords, spacing), name="relative logits")
-
-
-# ========================================================================================
-# Pack3D: a loop over query tokens with relative rotations R(p_j - p_i).
-# ========================================================================================
 
 BLOCK = (2, 3, 2)  # non-cubic cube
 PACK_H, PACK_D = 2, 12
@@ -376,114 +288,3 @@ def test_pack3d_with_project_rope_end_to_end():
   expected = ind.pack3d_attention(q, k, v, PACK_COORDS, PACK_FIELDS, block_shape=BLOCK,
                                   radius_blocks=2, rope=rope)
   check(got, expected, rtol=1e-5, name="rope + pack3d")  # measured 2.4e-7
-
-
-# ========================================================================================
-# FlashFFN: a loop over heads and experts of small MLPs.
-# ========================================================================================
-
-# L = 133: two Mosaic token tiles (128 + 5; Mosaic wants multiples of 128), five Triton
-# ones (32 each, the last partial); d_e = 24 is a full and a partial 16-wide d_e tile (for
-# Mosaic GPU, in one 64-row dK/dU/dV tile; its token tiles are 64 wide, 5 of them).
-FFN_SHAPE = dict(b=2, length=133, heads=2, d_h=8, experts=3, d_e=24)
-FFN_PATHS = {
-    "reference": ffn_ops.mhffn_reference,
-    "xla": functools.partial(ffn_ops.mhffn, chunk=32),
-    "mosaic": functools.partial(ffn_kernel.mhffn, interpret=True, backend="mosaic",
-                                block_q=128, block_inter=16, block_q_dkv=128),
-    "triton": functools.partial(ffn_kernel.mhffn, interpret=True, backend="triton",
-                                block_q=32, block_inter=16, block_q_dkv=64),
-}
-if mosaic_gpu_available():  # jax >= 0.11.2; from 0.12 the interpreter raises at a race
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  FFN_PATHS["mosaic_gpu"] = functools.partial(
-      ffn_kernel.mhffn, interpret=plgpu.InterpretGPUParams(detect_races=True),
-      backend="mosaic_gpu", block_q=64, block_inter=16, block_q_dkv=32)
-FFN_NAMES = ("q", "r", "k", "u", "v")
-# Measured, every path: f32 forward <= 2.1e-7, gradients <= 2.4e-7; bf16 (q, k, u, v in bf16,
-# r float32) <= 2.9e-3 (the intermediate a and the output are rounded to bf16).
-FFN_TOL = {F32: 1e-5, BF16: 6e-3}
-FFN_GRAD_TOL = 1e-5
-
-
-def _ffn_inputs():
-  s = FFN_SHAPE
-  rng = np.random.default_rng(8)
-  q = rng.standard_normal((s["b"], s["length"], s["heads"], s["d_h"]))
-  z = 2 * rng.standard_normal((s["b"], s["length"], s["heads"], s["experts"]))
-  r = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
-  tables = [0.4 * rng.standard_normal((s["heads"], s["experts"], s["d_e"], s["d_h"]))
-            for _ in range(3)]
-  return (q, r, *tables)
-
-
-FFN_INPUTS = _ffn_inputs()
-_rng = np.random.default_rng(9)
-FFN_W = _rng.standard_normal(FFN_INPUTS[0].shape)
-FFN_DIRS = tuple(_rng.standard_normal(a.shape) for a in FFN_INPUTS)
-FFN_DTYPES = {F32: (F32,) * 5, BF16: (BF16, F32, BF16, BF16, BF16)}
-
-
-def _ffn_args(dtype):
-  return tuple(cast(a, t) for a, t in zip(FFN_INPUTS, FFN_DTYPES[dtype], strict=True))
-
-
-@functools.lru_cache(maxsize=None)
-def ffn_reference_derivatives():
-  loss = lambda *args: float(np.sum(FFN_W * ind.mhffn(*args)))
-  return tuple(ind.directional_derivative(loss, FFN_INPUTS, i, FFN_DIRS[i]) for i in range(5))
-
-
-@functools.lru_cache(maxsize=None)
-def ffn_run(path, dtype, grads):
-  op = FFN_PATHS[path]
-  args = _ffn_args(dtype)
-
-  def run(*args):
-    if not grads:
-      return op(*args), None
-    out, vjp = jax.vjp(op, *args)
-    return out, vjp(cast(FFN_W, dtype))
-
-  return jax.jit(run)(*args)
-
-
-@pytest.mark.parametrize("path", params(FFN_PATHS, fast=("reference", "xla", "mosaic", "triton")))
-def test_mhffn_forward_and_grads(path):
-  out, grads = ffn_run(path, F32, True)
-  check(out, ind.mhffn(*FFN_INPUTS), rtol=FFN_TOL[F32], name=f"{path} out")
-  check_directional(grads, ffn_reference_derivatives(), FFN_DIRS, rtol=FFN_GRAD_TOL,
-                    name=FFN_NAMES)
-
-
-@pytest.mark.parametrize("path", params(FFN_PATHS, fast=("xla", "mosaic")))
-def test_mhffn_bf16_forward(path):
-  out, _ = ffn_run(path, BF16, False)
-  assert out.dtype == BF16
-  expected = ind.mhffn(*(as_f64(a) for a in _ffn_args(BF16)))
-  check(out, expected, rtol=FFN_TOL[BF16], name=f"{path} bf16")
-
-
-@pytest.mark.parametrize("impl,head_norm", [("reference", True), ("reference", False),
-                                            ("xla", True), ("pallas", True)])
-def test_flashffn_layer_formula(impl, head_norm):
-  """models.FlashFFN == DESIGN.md section 2 steps 1-5 evaluated from its own parameters
-  (all of them random, the norm gains included)."""
-  d, heads, experts, d_e = 24, 3, 3, 16
-  layer = nnx.eval_shape(lambda: FlashFFN(d, heads, experts, d_e, head_norm=head_norm,
-                                           impl=impl, chunk=5, interpret=True,
-                                           rngs=nnx.Rngs(0)))
-  state = nnx.state(layer, nnx.Param)
-  params = nnx.to_pure_dict(state)
-  rng = np.random.default_rng(10)
-  scale = {"w_in": 0.3, "w_out": 0.3, "router": 1.0, "norm_gain": 0.5}
-  params = {name: jnp.asarray(
-      (1.0 + scale[name] * rng.standard_normal(p.shape)) if name == "norm_gain"
-      else scale.get(name, 0.3) * rng.standard_normal(p.shape), F32)
-      for name, p in params.items()}
-  nnx.replace_by_pure_dict(state, params)
-  nnx.update(layer, state)
-  x = rng.standard_normal((2, 11, d))
-  got = nnx.jit(lambda layer, x: layer(x))(layer, cast(x, F32))
-  expected = ind.flashffn_layer(x, params, num_heads=heads, head_norm=head_norm)
-  check(got, expected, rtol=1e-5, name=f"FlashFFN {impl}")  # measured <= 2.4e-7
