@@ -7,11 +7,14 @@ One field of N tokens (a 3D grid of 4^3 cubes), batch 1, 2 heads of width 48, fl
                 attends to the 27 chunks around it (1728 keys, as many as Pack3D's
                 local branch), chunked and checkpointed like the Pack3D XLA path
   pack3d        jaxops.pack3d.pack3d_attention (XLA path): 27 neighbour cubes + N/64 summaries
+  pack3d L=k    the same with the multi-level far field, `levels=k` (DESIGN.md 3.1): 27
+                neighbour cubes + 189 summaries per level below the top + the top's
 Time: best of `--repeats` runs of jit(grad) after a warm-up. Memory: XLA's
 temp_size_in_bytes of the compiled gradient. A variant whose temp memory exceeds
 `--max_gib` is compiled (memory reported) but not run.
 
   python -m benchmarks.pack3d_speed --sizes=4096,16384,65536
+  python -m benchmarks.pack3d_speed --sizes=65536,262144,1048576 --levels=3,4 --skip_dense
 """
 
 from __future__ import annotations
@@ -30,8 +33,11 @@ from jaxops.pack3d import pack3d_attention
 _SIZES = flags.DEFINE_list("sizes", ["4096", "16384", "65536"], "Token counts N.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed runs per variant (best is reported).")
 _MAX_GIB = flags.DEFINE_float("max_gib", 8.0, "Do not run variants needing more temp memory.")
+_LEVELS = flags.DEFINE_list("levels", ["3"], "Multi-level variants to add (levels >= 2).")
+_SKIP_DENSE = flags.DEFINE_bool("skip_dense", False, "Leave out dense and the local window.")
 HEADS, HEAD_DIM, CUBE, WINDOW = 2, 48, 64, 27
-FIELDS = {4096: (16, 16, 16), 16384: (16, 32, 32), 65536: (32, 32, 64)}
+FIELDS = {4096: (16, 16, 16), 16384: (16, 32, 32), 65536: (32, 32, 64), 262144: (64, 64, 64),
+          1048576: (64, 128, 128)}
 
 
 def local_window_attention(q, k, v, *, chunk=CUBE, window=WINDOW, group=16):
@@ -61,11 +67,14 @@ def local_window_attention(q, k, v, *, chunk=CUBE, window=WINDOW, group=16):
 def variants(n: int):
   _, coords, field_ids = packing.pack_fields([np.zeros(FIELDS[n] + (1,))])
   coords, field_ids = coords[None], field_ids[None]
-  return {
+  out = {} if _SKIP_DENSE.value else {
       "dense": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
-      "local window": local_window_attention,
-      "pack3d (XLA path)": lambda q, k, v: pack3d_attention(q, k, v, coords, field_ids),
-  }
+      "local window": local_window_attention}
+  out["pack3d (XLA path)"] = lambda q, k, v: pack3d_attention(q, k, v, coords, field_ids)
+  for levels in (int(x) for x in _LEVELS.value):
+    out[f"pack3d L={levels}"] = lambda q, k, v, levels=levels: pack3d_attention(
+        q, k, v, coords, field_ids, levels=levels)
+  return out
 
 
 def fwd_bwd(op):
@@ -86,11 +95,11 @@ def main(_):
       seconds = (wall_seconds(fn, *args, repeats=_REPEATS.value)
                  if memory <= _MAX_GIB.value * 2**30 else None)
       results[name] = (seconds, memory)
-      dense_s, dense_m = results["dense"]
+      dense_s, dense_m = results.get("dense", (None, None))
       ratio_t = f"{dense_s / seconds:.1f}x" if seconds and dense_s else "-"
+      ratio_m = f"{dense_m / memory:.1f}x" if dense_m else "-"
       time_s = f"{seconds:.2f}" if seconds else f"not run (> {_MAX_GIB.value:g} GiB)"
-      print(f"| {n} | {name} | {time_s} | {mib(memory)} | {ratio_t} | {dense_m / memory:.1f}x |",
-            flush=True)
+      print(f"| {n} | {name} | {time_s} | {mib(memory)} | {ratio_t} | {ratio_m} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -183,27 +183,33 @@ def pack3d_attention_reference(q, k, v, coords, field_ids, *, block_shape=(4, 4,
 
 # ----------------------------------------------------------------------------- XLA path
 
+def _local_scores(q, k_cubes, v_cubes, key_valid, neighbours, num_neighbours):
+  """The local part of a chunk of query cubes: scores [c, H, T, K T] against the tokens of
+  their neighbour cubes (MASK on empty slots and unused neighbour entries), and those values
+  [c, K T, H, D]."""
+  c, t, h, d = q.shape
+  k_loc = k_cubes[neighbours].reshape(c, -1, h, d)                    # [c, K T, H, D]
+  v_loc = v_cubes[neighbours].reshape(c, -1, h, d)
+  in_set = jnp.arange(neighbours.shape[1]) < num_neighbours[:, None]  # [c, K]
+  valid = (key_valid[neighbours] & in_set[:, :, None]).reshape(c, 1, 1, -1)
+  s_loc = jnp.einsum("cqhd,ckhd->chqk", q, k_loc, preferred_element_type=_F32) / math.sqrt(d)
+  return jnp.where(valid, s_loc, MASK), v_loc
+
+
 def _attend_chunk(q, k_cubes, v_cubes, key_valid, kbar, vbar, far_bias, neighbours,
                   num_neighbours, gates, far_offset):
   """Query cubes of one chunk of one batch entry.
 
   q [c, T, H, D]; k_cubes, v_cubes [C, T, H, D]; key_valid [C, T]; kbar, vbar [C, H, D];
   far_bias [c, C]; neighbours [c, K]; num_neighbours [c]; gates [c, T, H, 2] or None;
-  far_offset float32 [H] (every summary's) or [H, C] (per summary), or None.
+  far_offset [H] float32 or None.
   Returns [c, T, H, D] float32.
   """
-  c, t, h, d = q.shape
-  k_loc = k_cubes[neighbours].reshape(c, -1, h, d)                    # [c, K T, H, D]
-  v_loc = v_cubes[neighbours].reshape(c, -1, h, d)
-  in_set = jnp.arange(neighbours.shape[1]) < num_neighbours[:, None]  # [c, K]
-  valid = (key_valid[neighbours] & in_set[:, :, None]).reshape(c, 1, 1, -1)
-  scale = 1.0 / math.sqrt(d)
-  s_loc = jnp.einsum("cqhd,ckhd->chqk", q, k_loc, preferred_element_type=_F32) * scale
-  s_loc = jnp.where(valid, s_loc, MASK)
+  s_loc, v_loc = _local_scores(q, k_cubes, v_cubes, key_valid, neighbours, num_neighbours)
+  scale = 1.0 / math.sqrt(q.shape[-1])
   s_far = jnp.einsum("cqhd,bhd->chqb", q.astype(_F32), kbar) * scale + far_bias[:, None, None]
   if far_offset is not None:
-    s_far = s_far + (far_offset[None, :, None, None] if far_offset.ndim == 1
-                     else far_offset[None, :, None, :])
+    s_far = s_far + far_offset[None, :, None, None]
   pv = lambda p, v_: jnp.einsum("chqk,ckhd->cqhd", p.astype(v_.dtype), v_,
                                 preferred_element_type=_F32)
   pvbar = lambda p: jnp.einsum("chqb,bhd->cqhd", p, vbar)
@@ -279,27 +285,67 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
 
 
 def _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias, beta):
-  """The XLA path with levels >= 2: the single level's local part; far summaries of every
-  level, a query cube's Far_1..Far_L chosen by `pack3d_levels.far_masks`, one softmax."""
+  """The XLA path with levels >= 2: the single level's local part, then for each level k < L
+  the summaries of Far_k read from the 8 (2 r_{k+1} + 1)^3 children of the query cube's
+  level-(k+1) neighbourhood (`pack3d_levels.candidates`), and the top level's summaries of
+  every top-level cube beyond r_L; one softmax over all of them."""
   levels, cubes = len(radii), layout.num_cubes
-  keys, count, kbar_l, vbar_l = levels_lib.far_summaries(layout.keys, layout.count, kbar, vbar,
-                                                         levels)
-  bias = jnp.where(count > 0, jnp.log(jnp.maximum(count, 1.0)) if block_bias else 0.0, MASK)
-  flat = lambda x: x.reshape(x.shape[0], levels * cubes, *x.shape[3:])    # [B, L C, ...]
-  # beta [L, H] -> [H, L C]: each summary carries its level's offset.
-  offset = None if beta is None else jnp.repeat(beta.T, cubes, axis=1)
+  top = levels_lib.top_slots(layout.keys, layout.count, levels)
+  log_n = lambda n: jnp.log(jnp.maximum(n, 1.0)) if block_bias else jnp.zeros_like(n)
 
-  def one_entry(q_c, k_c, v_c, key_valid, kbar, vbar, level1_keys, keys, count, bias,
-                neighbours, num_nb):
+  def one_entry(q_c, k_c, v_c, key_valid, kbar, vbar, keys, count, neighbours, num_nb):
+    per_level = levels_lib.level_structure(keys, count, kbar, vbar, levels)
+    keys_t, count_t, kbar_t, vbar_t = (x[:top] for x in per_level[-1][:4])
+
     def step(ids):
-      far = levels_lib.far_masks(level1_keys[ids], keys, count, radii)     # [c, L, C]
-      far_bias = jnp.where(far, bias[None], MASK).reshape(len(ids), levels * cubes)
-      return _attend_chunk(q_c[ids], k_c, v_c, key_valid, kbar, vbar, far_bias,
-                           neighbours[ids], num_nb[ids], None, offset)
+      query = keys[ids]
+      gathered, biases, offsets = [], [], []
+      for k in range(1, levels):
+        _, count_k, kbar_k, vbar_k, box = per_level[k - 1]
+        slots, far = levels_lib.candidates(query, box, k, radii[k - 1], radii[k])
+        far &= count_k[slots] > 0
+        gathered.append((kbar_k[slots], vbar_k[slots]))                   # [c, K, H, D]
+        biases.append(jnp.where(far, log_n(count_k[slots]), MASK))
+        if beta is not None:
+          offsets.append(jnp.repeat(beta[k - 1][:, None], slots.shape[1], axis=1))
+      near = (jnp.concatenate([g[0] for g in gathered], 1),
+              jnp.concatenate([g[1] for g in gathered], 1), jnp.concatenate(biases, 1),
+              None if beta is None else jnp.concatenate(offsets, 1))
+      far_top = levels_lib.top_mask(query, keys_t, count_t, levels, radii[-1])
+      top_part = (kbar_t, vbar_t, jnp.where(far_top, log_n(count_t)[None], MASK),
+                  None if beta is None else beta[-1])
+      return _attend_levels(q_c[ids], k_c, v_c, key_valid, neighbours[ids], num_nb[ids], near,
+                            top_part)
+
     o = jax.lax.map(jax.checkpoint(step), starts)
     return o.reshape(-1, *o.shape[2:])[:cubes]
 
-  o_c = jax.vmap(one_entry)(q_c, k_c, v_c, layout.key_valid(), flat(kbar_l), flat(vbar_l),
-                            layout.keys, keys, count, bias, layout.neighbours,
-                            layout.num_neighbours)
+  o_c = jax.vmap(one_entry)(q_c, k_c, v_c, layout.key_valid(), kbar, vbar, layout.keys,
+                            layout.count, layout.neighbours, layout.num_neighbours)
   return poison_overflow(layout, layout.from_cubes(o_c)).astype(q.dtype)
+
+
+def _attend_levels(q, k_cubes, v_cubes, key_valid, neighbours, num_neighbours, near, top):
+  """Query cubes of one chunk with the multi-level far field: the local part as in
+  `_attend_chunk`; near = (kbar, vbar [c, K, H, D], bias [c, K], offset [H, K] or None): each
+  query cube's own lower-level summaries; top = (kbar, vbar [M, H, D], bias [c, M], offset
+  [H] or None): the top level's, shared. Returns [c, T, H, D] float32."""
+  s_loc, v_loc = _local_scores(q, k_cubes, v_cubes, key_valid, neighbours, num_neighbours)
+  scale = 1.0 / math.sqrt(q.shape[-1])
+  q32 = q.astype(_F32)
+  kbar_n, vbar_n, bias_n, off_n = near
+  s_near = jnp.einsum("cqhd,cbhd->chqb", q32, kbar_n) * scale + bias_n[:, None, None]
+  if off_n is not None:
+    s_near = s_near + off_n[None, :, None, :]
+  kbar_t, vbar_t, bias_t, off_t = top
+  s_top = jnp.einsum("cqhd,bhd->chqb", q32, kbar_t) * scale + bias_t[:, None, None]
+  if off_t is not None:
+    s_top = s_top + off_t[None, :, None, None]
+  rows = lambda x: jnp.max(x, axis=-1, keepdims=True)
+  m = jnp.maximum(jnp.maximum(rows(s_loc), rows(s_near)), rows(s_top))
+  p_loc, p_near, p_top = (jnp.exp(s - m) for s in (s_loc, s_near, s_top))
+  total = lambda p: jnp.moveaxis(jnp.sum(p, axis=-1), 1, -1)[..., None]   # [c, T, H, 1]
+  o = (jnp.einsum("chqk,ckhd->cqhd", p_loc.astype(v_loc.dtype), v_loc,
+                  preferred_element_type=_F32)
+       + jnp.einsum("chqb,cbhd->cqhd", p_near, vbar_n) + jnp.einsum("chqb,bhd->cqhd", p_top, vbar_t))
+  return o / (total(p_loc) + total(p_near) + total(p_top))

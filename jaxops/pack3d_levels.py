@@ -23,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxops.pack3d_layout import MAX_FIELDS
 
@@ -76,12 +77,10 @@ def _chebyshev(a, b):
   return d
 
 
-def _level_cubes(keys, count, summary, level: int):
-  """One batch entry's level-`level` cubes from its level-1 cubes.
-
-  keys int [C, 4] (field, cz, cy, cx), count float [C], summary: (kbar, vbar) [C, H, D] each.
-  Returns keys_k [C, 4] (-1 for unused slots), count_k [C], (kbar_k, vbar_k)."""
-  slots = keys.shape[0]
+def _box(keys, count, level: int):
+  """Every field's level-`level` bounding box over one batch entry's used level-1 cubes
+  (keys int [C, 4], count [C]): (lo [F, 3], extent [F, 3], start [F]), start the first slot of
+  the field's cubes (fields in id order, each box z-major; level 1 gives the layout's slots)."""
   used = count > 0
   field = jnp.clip(keys[:, 0], 0, MAX_FIELDS - 1)
   cube = jnp.right_shift(jnp.maximum(keys[:, 1:], 0), level - 1)           # [C, 3]
@@ -91,45 +90,82 @@ def _level_cubes(keys, count, summary, level: int):
   lo = jnp.stack([jnp.min(jnp.where(member, cube[:, a:a + 1], big), axis=0) for a in range(3)], 1)
   hi = jnp.stack([jnp.max(jnp.where(member, cube[:, a:a + 1], -1), axis=0) for a in range(3)], 1)
   lo = jnp.where(present[:, None], lo, 0)
-  extent = jnp.where(present[:, None], hi - lo + 1, 0)                    # [F, 3]
+  extent = jnp.where(present[:, None], hi - lo + 1, 0)
   volume = extent[:, 0] * extent[:, 1] * extent[:, 2]
-  start = jnp.cumsum(volume) - volume
+  return lo, extent, jnp.cumsum(volume) - volume
+
+
+def _slot(box, field, cube):
+  """Slot of the level cube `cube` [..., 3] of `field` [...] in `box`, and whether the cube
+  lies inside the field's box (outside: slot 0, to be masked)."""
+  lo, extent, start = box
   rel = cube - lo[field]
-  slot = start[field] + (rel[:, 0] * extent[field, 1] + rel[:, 1]) * extent[field, 2] + rel[:, 2]
-  slot = jnp.where(used, slot, slots)                                    # unused: dropped
+  ext = extent[field]
+  inside = jnp.all((rel >= 0) & (rel < ext), axis=-1)
+  slot = start[field] + (rel[..., 0] * ext[..., 1] + rel[..., 1]) * ext[..., 2] + rel[..., 2]
+  return jnp.where(inside, slot, 0), inside
+
+
+def _level_cubes(keys, count, summary, level: int):
+  """One batch entry's level-`level` cubes from its level-1 cubes.
+
+  keys int [C, 4] (field, cz, cy, cx), count float [C], summary: (kbar, vbar) [C, H, D] each.
+  Returns keys_k [C, 4] (-1 for unused slots), count_k [C], (kbar_k, vbar_k), box."""
+  slots = keys.shape[0]
+  used = count > 0
+  box = _box(keys, count, level)
+  field = jnp.clip(keys[:, 0], 0, MAX_FIELDS - 1)
+  cube = jnp.right_shift(jnp.maximum(keys[:, 1:], 0), level - 1)
+  slot = jnp.where(used, _slot(box, field, cube)[0], slots)              # unused: dropped
   count_k = jax.ops.segment_sum(count, slot, slots)
   key = jnp.concatenate([field[:, None], cube], axis=1)
   keys_k = jax.ops.segment_max(jnp.where(used[:, None], key, -1), slot, slots)
   keys_k = jnp.where((count_k > 0)[:, None], keys_k, -1)
   inv = 1.0 / jnp.maximum(count_k, 1.0)[:, None, None]
   means = tuple(jax.ops.segment_sum(count[:, None, None] * s, slot, slots) * inv for s in summary)
-  return keys_k, count_k, means
+  return keys_k, count_k, means, box
 
 
-def far_summaries(keys, count, kbar, vbar, levels: int):
-  """Every level's cubes, stacked: keys [B, L, C, 4], count [B, L, C], kbar, vbar
-  [B, L, C, H, D] (level 1 first: the layout's own cubes and summaries)."""
-  def one_entry(keys, count, kbar, vbar):
-    out = [(keys, count, (kbar, vbar))]
-    out += [_level_cubes(keys, count, (kbar, vbar), k) for k in range(2, levels + 1)]
-    stack = lambda f: jnp.stack([f(o) for o in out])
-    return (stack(lambda o: o[0]), stack(lambda o: o[1]), stack(lambda o: o[2][0]),
-            stack(lambda o: o[2][1]))
-  return jax.vmap(one_entry)(keys, count, kbar, vbar)
+def candidates(query_keys, box, level: int, radius: int, radius_up: int):
+  """Far_level of each query cube for a level below the top, read from the children of the
+  level+1 cubes within radius_up of the query's: (slots [c, K], far [c, K]), K = 8
+  (2 radius_up + 1)^3; `far` says the slot is a cube of the query's field box at distance >
+  `radius` (non-emptiness is the caller's test). query_keys int [c, 4] (level-1 keys)."""
+  offsets = np.stack(np.meshgrid(*[np.arange(-radius_up, radius_up + 1)] * 3, indexing="ij"),
+                     -1).reshape(-1, 3)
+  children = np.stack(np.meshgrid(*[np.arange(2)] * 3, indexing="ij"), -1).reshape(-1, 3)
+  steps = (2 * offsets[:, None] + children[None]).reshape(-1, 3)          # [K, 3]
+  field = jnp.clip(query_keys[:, 0], 0, MAX_FIELDS - 1)
+  own = jnp.right_shift(jnp.maximum(query_keys[:, 1:], 0), level - 1)     # [c, 3]
+  cube = 2 * jnp.right_shift(own, 1)[:, None] + jnp.asarray(steps)[None]  # [c, K, 3]
+  slots, inside = _slot(box, field[:, None], cube)
+  return slots, inside & (_chebyshev(cube, own[:, None]) > radius)
 
 
-def far_masks(query_keys, keys, count, radii):
-  """bool [c, L, C]: level-k cube b (keys[k-1, b]) is in Far_k of the query cube with level-1
-  key query_keys[a] ([c, 4]); keys [L, C, 4], count [L, C] as from `far_summaries`."""
-  levels = len(radii)
-  masks = []
-  for k in range(1, levels + 1):
-    key = keys[k - 1]
-    q_cube = jnp.right_shift(jnp.maximum(query_keys[:, 1:], 0), k - 1)[:, None]    # [c, 1, 3]
-    far = ((query_keys[:, None, 0] == key[None, :, 0]) & (count[k - 1] > 0)[None]
-           & (_chebyshev(q_cube, key[None, :, 1:]) > radii[k - 1]))
-    if k < levels:
-      parent = jnp.right_shift(jnp.maximum(key[None, :, 1:], 0), 1)
-      far &= _chebyshev(jnp.right_shift(q_cube, 1), parent) <= radii[k]
-    masks.append(far)
-  return jnp.stack(masks, axis=1)
+def level_structure(keys, count, kbar, vbar, levels: int):
+  """One batch entry's cubes of every level, for `candidates` (levels below the top) and the
+  top level's masks. Returns a list over k = 1..L of (keys_k [C, 4], count_k [C],
+  kbar_k, vbar_k [C, H, D], box_k); level 1 is the layout's own cubes."""
+  out = [(keys, count, kbar, vbar, _box(keys, count, 1))]
+  for k in range(2, levels + 1):
+    keys_k, count_k, (kbar_k, vbar_k), box = _level_cubes(keys, count, (kbar, vbar), k)
+    out.append((keys_k, count_k, kbar_k, vbar_k, box))
+  return out
+
+
+def top_slots(keys, count, levels: int) -> int:
+  """Slots the top level needs over the batch (keys int [B, C, 4], count [B, C]): its boxes'
+  total volume when the layout is concrete (known at trace time), else the bound C."""
+  if isinstance(keys, jax.core.Tracer) or isinstance(count, jax.core.Tracer):
+    return keys.shape[1]
+  with jax.ensure_compile_time_eval():  # inside a jit trace too
+    totals = jax.vmap(lambda k, c: jnp.sum(jnp.prod(_box(k, c, levels)[1], axis=-1)))(keys, count)
+    return max(1, int(jnp.max(totals)))
+
+
+def top_mask(query_keys, keys, count, level: int, radius: int):
+  """bool [c, M]: the top-level cube b (keys [M, 4], count [M]) is in Far_L of the query cube
+  with level-1 key query_keys[a]: same field, non-empty, distance > radius (no level above)."""
+  own = jnp.right_shift(jnp.maximum(query_keys[:, 1:], 0), level - 1)[:, None]
+  return ((query_keys[:, None, 0] == keys[None, :, 0]) & (count > 0)[None]
+          & (_chebyshev(own, keys[None, :, 1:]) > radius))
