@@ -48,7 +48,8 @@ def level_radii(radius_blocks: int, levels: int, level_radius=None) -> tuple[int
   radii = tuple(int(r) for r in (radius_blocks, *rest))
   for k, r in enumerate(radii, 1):
     if r < 0:
-      raise ValueError(f"pack3d_attention: the level-{k} radius must be >= 0, got {r}")
+      name = "`radius_blocks`" if k == 1 else "`level_radius`"
+      raise ValueError(f"pack3d_attention: {name}: the level-{k} radius must be >= 0, got {r}")
     if k < levels and radii[k] < math.ceil(r / 2):
       raise ValueError(f"pack3d_attention: the level-{k + 1} radius {radii[k]} is below "
                        f"ceil(r_{k} / 2) = {math.ceil(r / 2)} (`level_radius`): keys would be "
