@@ -84,7 +84,7 @@ lock:
 
 FORCE:
 
-# Issue 12's evidence (RESULTS.md): every arm of the four CPU-scale experiments, hours on
+# The evidence in RESULTS.md: every arm of the four CPU-scale experiments, hours on
 # 2 cores; each runner resumes (results/<name>.json, runs/experiments/) and skips finished arms.
 .PHONY: experiments
 experiments: setup

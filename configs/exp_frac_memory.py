@@ -1,4 +1,4 @@
-"""Issue 12, experiment 3: long memory. FRAC (power-law memory) against the Mamba-2-style
+"""Long memory: FRAC (power-law memory) against the Mamba-2-style
 layer (one exponential mode) at equal parameters and at equal state size, and attention.
 
   python -m experiments.frac_memory --config=configs/exp_frac_memory.py

@@ -1,4 +1,4 @@
-"""Issue 12, experiment 3, diagnosis: why FRAC learned nothing beyond lag 2 on dense lag recall.
+"""Long memory, diagnosis: why FRAC learned nothing beyond lag 2 on dense lag recall.
 
   python -m experiments.frac_memory --config=configs/exp_frac_memory_diag.py \
       --name=frac_memory_diag
