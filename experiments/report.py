@@ -254,7 +254,8 @@ def frac_extrapolate(d) -> str:
 
 
 def repacking(d) -> str:
-  order = ["learned_packed", "rope_packed", "axial_rope", "none"]
+  order = ["learned_packed", "rope_packed", "axial_rope", "none", "local_only", "dense",
+           "far_offset"]
   arms = _by_arm(d["runs"], order)
   layouts = ["raster_zyx", "raster_xyz", "morton", "hilbert", "cube_major", "shuffled_fields"]
   out = []
@@ -357,7 +358,7 @@ def main(argv) -> None:
   for name, fn in (("lm_shakespeare", lm), ("lm_ffn_shakespeare", lm_ffn),
                    ("lm_ffn_stdlib", lm_ffn), ("frac_memory_diag", frac_memory),
                    ("frac_memory", frac_memory), ("frac_extrapolate", frac_extrapolate),
-                   ("repacking", repacking), ("seg3d_cpu", seg3d)):
+                   ("repacking", repacking), ("far3d", repacking), ("seg3d_cpu", seg3d)):
     d = _load(directory, name)
     if d is None:
       continue
