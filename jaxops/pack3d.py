@@ -275,10 +275,10 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     o = jax.lax.map(jax.checkpoint(step), starts)
     return o.reshape(-1, *o.shape[2:])[:cubes]
 
-  count = layout.count
-  bias = jnp.where(count > 0, jnp.log(jnp.maximum(count, 1.0)) if block_bias else 0.0, MASK)
   if levels > 1:
     return _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias, beta)
+  count = layout.count
+  bias = jnp.where(count > 0, jnp.log(jnp.maximum(count, 1.0)) if block_bias else 0.0, MASK)
   o_c = jax.vmap(one_entry)(q_c, k_c, v_c, layout.key_valid(), kbar, vbar, layout.keys, bias,
                             layout.neighbours, layout.num_neighbours, g_c)
   return poison_overflow(layout, layout.from_cubes(o_c)).astype(q.dtype)

@@ -110,13 +110,19 @@ class CubeLayout:
     return jnp.swapaxes(rows, 1, 2)
 
 
+def cube_distance(a, b):
+  """Chebyshev distance max_axis |a - b| of broadcastable [..., 3] cube indices, one axis at a
+  time, so nothing [..., 3]-shaped is built (a TPU would pad that 3 to 128 lanes)."""
+  distance = jnp.abs(a[..., 0] - b[..., 0])
+  for axis in (1, 2):
+    distance = jnp.maximum(distance, jnp.abs(a[..., axis] - b[..., axis]))
+  return distance
+
+
 def is_far(query_keys, keys, used, radius: int):
   """Far test on broadcastable [..., 4] cube keys (field, cz, cy, cx): same field, cube
-  distance max_a |c_a - q_a| > radius, and `used`. One axis at a time, so nothing
-  [..., 3]-shaped is built (a TPU would pad that 3 to 128 lanes)."""
-  distance = jnp.abs(keys[..., 1] - query_keys[..., 1])
-  for a in (2, 3):
-    distance = jnp.maximum(distance, jnp.abs(keys[..., a] - query_keys[..., a]))
+  distance > radius (`cube_distance`), and `used`."""
+  distance = cube_distance(keys[..., 1:], query_keys[..., 1:])
   return (keys[..., 0] == query_keys[..., 0]) & (distance > radius) & used
 
 

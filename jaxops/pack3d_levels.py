@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxops.pack3d_layout import MAX_FIELDS
+from jaxops.pack3d_layout import MAX_FIELDS, cube_distance
 
 _F32 = jnp.float32
 
@@ -68,14 +68,6 @@ def offsets_per_level(far_offset, levels: int, heads: int):
     return beta
   raise ValueError(f"pack3d_attention: `far_offset` has shape {beta.shape}; expected [H] = "
                    f"({heads},) or [levels, H] = ({levels}, {heads})")
-
-
-def _chebyshev(a, b):
-  """max over the 3 axes of |a - b| for broadcastable [..., 3] int arrays, an axis at a time."""
-  d = jnp.abs(a[..., 0] - b[..., 0])
-  for axis in (1, 2):
-    d = jnp.maximum(d, jnp.abs(a[..., axis] - b[..., axis]))
-  return d
 
 
 def _box(keys, count, level: int):
@@ -140,7 +132,7 @@ def candidates(query_keys, box, level: int, radius: int, radius_up: int):
   own = jnp.right_shift(jnp.maximum(query_keys[:, 1:], 0), level - 1)     # [c, 3]
   cube = 2 * jnp.right_shift(own, 1)[:, None] + jnp.asarray(steps)[None]  # [c, K, 3]
   slots, inside = _slot(box, field[:, None], cube)
-  return slots, inside & (_chebyshev(cube, own[:, None]) > radius)
+  return slots, inside & (cube_distance(cube, own[:, None]) > radius)
 
 
 def level_structure(keys, count, kbar, vbar, levels: int):
@@ -169,4 +161,4 @@ def top_mask(query_keys, keys, count, level: int, radius: int):
   with level-1 key query_keys[a]: same field, non-empty, distance > radius (no level above)."""
   own = jnp.right_shift(jnp.maximum(query_keys[:, 1:], 0), level - 1)[:, None]
   return ((query_keys[:, None, 0] == keys[None, :, 0]) & (count > 0)[None]
-          & (_chebyshev(own, keys[None, :, 1:]) > radius))
+          & (cube_distance(own, keys[None, :, 1:]) > radius))
