@@ -169,3 +169,21 @@ def test_merge_replaces_only_the_target_op_pairs_that_ran():
       ("gpu-a100", "flash_ffn/lm/fwd/float32", "old"),
       ("gpu-h100", "flash_ffn/lm/fwd/float32", "new"),
       ("gpu-h100", "pack3d/65k/fwd/float32", "old")]
+
+
+def test_merge_of_some_shapes_replaces_only_those_shapes():
+  """--shapes: a run of one shape keeps the op's other shapes (and its oversized case) on that
+  target; the all_cases filter leaves the oversized cases out of such a run."""
+  row = lambda target, case, tag: {"target": target, "case": case, "tag": tag}
+  previous = [row("tpu-v5e", "pack3d/65k/fwd/float32", "old"),
+              row("tpu-v5e", "pack3d/1m/fwd/float32", "old"),
+              row("tpu-v6e", "pack3d/1m/fwd/float32", "old")]
+  merged = check.merge(previous, [row("tpu-v5e", "pack3d/1m/fwd/float32", "new")],
+                       whole_ops=False)
+  assert sorted((r["target"], r["case"], r["tag"]) for r in merged) == [
+      ("tpu-v5e", "pack3d/1m/fwd/float32", "new"),
+      ("tpu-v5e", "pack3d/65k/fwd/float32", "old"),
+      ("tpu-v6e", "pack3d/1m/fwd/float32", "old")]
+  some = cases.all_cases("tpu", {"pack3d"}, shapes={"1m"})
+  assert {c.name for c in some} == {f"pack3d/1m/{d}/{t}" for d in ("fwd", "grad")
+                                    for t in ("float32", "bfloat16")}

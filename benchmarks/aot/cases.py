@@ -10,6 +10,9 @@ dtype. Shapes are the paper's and the configs' (the ones a user runs):
   pack3d     65k    one 64x32x32 grid per entry, B=2 N=65536 H=2 D=48, traced coords
              262k   one 64^3 grid per entry, B=4 N=262144 H=2 D=48, traced coords (the
                     neighbour table, 1.7 MiB, must not have to fit TPU SMEM whole)
+             1m     one 64x128x128 grid, B=1 N=1048576 H=2 D=48, traced coords (16,384
+                    cubes: every query cube's far stream walks 16,384 summaries)
+             1m_seg3d  the same grid at the segmentation width, H=4 D=24
              seg3d  configs/seg3d_cells.py: B=8 N=3072 H=4 D=24, traced coords
              65k_far_offset, seg3d_far_offset  the same with a learnable far offset [H]
                     (one more operand in the kernels, one more output in the backward);
@@ -57,6 +60,8 @@ SHAPES = {
                   "seg3d": dict(b=8, l=3072, h=4, d=24, e=2, f=64)},
     "pack3d": {"65k": dict(b=2, grid=(64, 32, 32), h=2, d=48),
                "262k": dict(b=4, grid=(64, 64, 64), h=2, d=48),
+               "1m": dict(b=1, grid=(64, 128, 128), h=2, d=48),
+               "1m_seg3d": dict(b=1, grid=(64, 128, 128), h=4, d=24),
                "seg3d": dict(b=8, grid=(12, 16, 16), h=4, d=24),
                "65k_far_offset": dict(b=2, grid=(64, 32, 32), h=2, d=48, far_offset=True),
                "seg3d_far_offset": dict(b=8, grid=(12, 16, 16), h=4, d=24, far_offset=True)},
@@ -85,14 +90,17 @@ def parse(name: str) -> Case:
   return Case(op, shape, direction, dtype, blocks, expect_failure, backend)
 
 
-def all_cases(kind: str, ops=None, hopper: bool = False) -> list[Case]:
+def all_cases(kind: str, ops=None, hopper: bool = False, shapes=None) -> list[Case]:
   """Every shape x direction x dtype of the given ops (far-offset shapes: grad only), plus the
-  target kind's oversized case (and the Mosaic GPU one on a Hopper target)."""
+  target kind's oversized case (and the Mosaic GPU one on a Hopper target). `shapes` (a set
+  of shape names, None: all) selects shapes and leaves the oversized cases out."""
   cases = [Case(op, shape, direction, dtype)
-           for op, shapes in SHAPES.items() if ops is None or op in ops
-           for shape, sizes in shapes.items()
+           for op, op_shapes in SHAPES.items() if ops is None or op in ops
+           for shape, sizes in op_shapes.items() if shapes is None or shape in shapes
            for direction in (("grad",) if sizes.get("far_offset") else ("fwd", "grad"))
            for dtype in ("float32", "bfloat16")]
+  if shapes is not None:
+    return cases
   return cases + [OVERSIZED[kind]] + ([OVERSIZED["hopper"]] if hopper else [])
 
 

@@ -6,6 +6,7 @@ TPU and GPU compilers, with a table of what each compiler reports.
   python -m benchmarks.aot.check --readme              # also rewrite benchmarks/README.md's table
   python -m benchmarks.aot.check --targets=gpu-h100 --ops=flash_ffn --merge --readme
                                        # one target's op anew, every other row from results.json
+  python -m benchmarks.aot.check --ops=pack3d --shapes=1m --merge --readme   # one shape anew
 
 Each target's cases run in a worker process inside that target's venv (`make
 compile-check` creates .venv-aot-tpu and .venv-aot-gpu from pinned versions). A case
@@ -182,12 +183,14 @@ def markdown(results: list[dict]) -> str:
   return "\n".join(out)
 
 
-def merge(previous: list[dict], results: list[dict]) -> list[dict]:
-  """`results` with the `previous` rows of every (target, op) pair they do not cover, in
-  target order: a run of some targets or ops replaces just those rows."""
-  op_of = lambda r: r["case"].split("/")[0]
-  redone = {(r["target"], op_of(r)) for r in results}
-  kept = [r for r in previous if (r["target"], op_of(r)) not in redone]
+def merge(previous: list[dict], results: list[dict], whole_ops: bool = True) -> list[dict]:
+  """`results` with the `previous` rows they do not cover, in target order: a run of some
+  targets or ops replaces every old row of those (target, op) pairs (cases that no longer
+  exist included); with whole_ops=False (a run of some shapes) only the rows of the
+  (target, op, shape) triples that ran."""
+  part = lambda r: tuple(r["case"].split("/")[:1 if whole_ops else 2])
+  redone = {(r["target"], part(r)) for r in results}
+  kept = [r for r in previous if (r["target"], part(r)) not in redone]
   return sorted(kept + results, key=lambda r: list(TARGETS).index(r["target"]))
 
 
@@ -195,6 +198,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--targets", default=",".join(TARGETS))
   parser.add_argument("--ops", default="", help="comma-separated subset of ops (default all)")
+  parser.add_argument("--shapes", default="",
+                      help="comma-separated subset of shapes (default all; no oversized cases)")
   parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
   parser.add_argument("--readme", action="store_true", help="rewrite benchmarks/README.md's table")
   parser.add_argument("--out", default=str(HERE / "results"), help="results .json/.md prefix")
@@ -202,17 +207,18 @@ def main(argv=None):
                       help="keep the previous results (--out's .json) of the (target, op) pairs not run")
   args = parser.parse_args(argv)
   ops = set(filter(None, args.ops.split(","))) or None
+  shapes = set(filter(None, args.shapes.split(","))) or None
   results, start = [], time.monotonic()
   for name in args.targets.split(","):
     if name not in TARGETS:
       sys.exit(f"compile check: unknown target {name!r}; expected some of {sorted(TARGETS)}")
     target = TARGETS[name]
-    results += run_target(target, cases_lib.all_cases(target.kind, ops, target.hopper),
+    results += run_target(target, cases_lib.all_cases(target.kind, ops, target.hopper, shapes),
                           args.timeout)
   elapsed = time.monotonic() - start
   ran = sorted({r["target"] for r in results}, key=list(TARGETS).index)
   if args.merge and (previous := pathlib.Path(args.out + ".json")).exists():
-    results = merge(json.loads(previous.read_text()), results)
+    results = merge(json.loads(previous.read_text()), results, whole_ops=shapes is None)
   failures = [r for r in results if verdict(r)]
   load = os.getloadavg()[2]
   summary = (f"{len(results) - len(failures)}/{len(results)} cases pass ({len(failures)} "
