@@ -15,6 +15,8 @@ temp_size_in_bytes of the compiled gradient. A variant whose temp memory exceeds
 
   python -m benchmarks.pack3d_speed --sizes=4096,16384,65536
   python -m benchmarks.pack3d_speed --sizes=65536,262144,1048576 --levels=3,4 --skip_dense
+  python -m benchmarks.pack3d_speed --sizes=16384,65536,262144,1048576 --levels=3 \
+      --skip_dense --skip_one_level          # the multi-level growth alone
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed runs per variant (best is r
 _MAX_GIB = flags.DEFINE_float("max_gib", 8.0, "Do not run variants needing more temp memory.")
 _LEVELS = flags.DEFINE_list("levels", ["3"], "Multi-level variants to add (levels >= 2).")
 _SKIP_DENSE = flags.DEFINE_bool("skip_dense", False, "Leave out dense and the local window.")
+_SKIP_ONE_LEVEL = flags.DEFINE_bool("skip_one_level", False,
+                                    "Leave out the single-level XLA path (its far term is N^2/64).")
 HEADS, HEAD_DIM, CUBE, WINDOW = 2, 48, 64, 27
 FIELDS = {4096: (16, 16, 16), 16384: (16, 32, 32), 65536: (32, 32, 64), 262144: (64, 64, 64),
           1048576: (64, 128, 128)}
@@ -70,7 +74,8 @@ def variants(n: int):
   out = {} if _SKIP_DENSE.value else {
       "dense": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
       "local window": local_window_attention}
-  out["pack3d (XLA path)"] = lambda q, k, v: pack3d_attention(q, k, v, coords, field_ids)
+  if not _SKIP_ONE_LEVEL.value:
+    out["pack3d (XLA path)"] = lambda q, k, v: pack3d_attention(q, k, v, coords, field_ids)
   for levels in (int(x) for x in _LEVELS.value):
     out[f"pack3d L={levels}"] = lambda q, k, v, levels=levels: pack3d_attention(
         q, k, v, coords, field_ids, levels=levels)

@@ -38,6 +38,10 @@ CODEGEN = (
     '  %flash_ffn_bwd_dq.1.ds_ref = f32[4096,1024]{1,0:T(8,128)} custom-call(%b), '
     'custom_call_target="tpu_custom_call", backend_config={"used_scoped_memory_configs":'
     '[{"memory_space":"1","offset":"0","size":"2174976"}]}\n'
+    '  %pack3d_fwd.11 = (f32[8,3072,96]{2,1,0:T(8,128)S(1)}) fusion(%a, %b), kind=kCustom, '
+    'calls=%fused_computation.31.clone, metadata={op_name="jit(op)/while/body/pack3d_fwd/'
+    'pallas_call" stack_frame_id=130}, backend_config={"used_scoped_memory_configs":'
+    '[{"memory_space":"1","offset":"0","size":"499712"}]}\n'
     '  %fusion.2 = f32[8]{0} fusion(%p), kind=kLoop\n')
 
 
@@ -57,7 +61,8 @@ def test_dump_parsers(tmp_path):
       "loop_broadcast_fusion_7": 0, "pack3d_fwd": 52224, "pack3d_bwd_dsummary": 66080}
   assert report.tpu_scoped_vmem(tmp_path) == {"flash_ffn_bwd_dkuv": 3903488,
                                               "flash_ffn_fwd": 1077248,
-                                              "flash_ffn_bwd_dq": 2174976}
+                                              "flash_ffn_bwd_dq": 2174976,
+                                              "pack3d_fwd": 499712}
   error = ("JaxRuntimeError: RESOURCE_EXHAUSTED: Shared memory size limit exceeded: "
            "requested 917504, available: 232448")
   assert report.requested_shared_memory(error) == 917504

@@ -387,27 +387,27 @@ MUTANTS = [
       f"{P3I}::test_pack3d_far_offset_forward_and_grads[xla-default]"),
     m("pack3d_mosaic_fwd_far_offset_dropped", "pallas_kernels/pack3d_attention/mosaic.py",
       "cols_ref, off_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, plan: TilePlan):\n"
-      "  a, j = pl.program_id(1), pl.program_id(2)",
+      "  a, j = pl.program_id(0), pl.program_id(1)",
       "cols_ref, off_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc, *, plan: TilePlan):\n"
-      "  a, j, off_ref = pl.program_id(1), pl.program_id(2), None",
+      "  a, j, off_ref = pl.program_id(0), pl.program_id(1), None",
       f"{P3I}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
     m("pack3d_mosaic_dq_far_offset_dropped", "pallas_kernels/pack3d_attention/mosaic.py",
-      "plan: TilePlan):\n  a, j = pl.program_id(1), pl.program_id(2)\n\n"
+      "plan: TilePlan):\n  a, j = pl.program_id(0), pl.program_id(1)\n\n"
       "  @pl.when(j == 0)\n  def _():\n    dq_sc",
-      "plan: TilePlan):\n  a, j, off_ref = pl.program_id(1), pl.program_id(2), None\n\n"
+      "plan: TilePlan):\n  a, j, off_ref = pl.program_id(0), pl.program_id(1), None\n\n"
       "  @pl.when(j == 0)\n  def _():\n    dq_sc",
       f"{P3I}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
     m("pack3d_mosaic_summary_grads_without_offset", "pallas_kernels/pack3d_attention/mosaic.py",
-      "_far(plan, cols_ref, rows_ref, a, off_ref)", "_far(plan, cols_ref, rows_ref, a, None)",
+      "_far(plan, cols_ref, rows_ref, a, off_ref, h)", "_far(plan, cols_ref, rows_ref, a, None, h)",
       f"{P3I}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
     m("pack3d_mosaic_d_far_offset_dropped", "pallas_kernels/pack3d_attention/mosaic.py",
-      "doff_sc[...] += ds_sum", "doff_sc[...] += 0.0 * ds_sum",
+      "doff_sc[h] += ds_sum", "doff_sc[h] += 0.0 * ds_sum",
       f"{P3I}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
     m("pack3d_mosaic_d_far_offset_not_reset", "pallas_kernels/pack3d_attention/mosaic.py",
       "      doff_sc[...] = jnp.zeros_like(doff_sc)\n", "      pass\n",
       f"{KP}::test_no_races_and_no_uninitialized_reads[pack3d-far_offset]"),
     m("pack3d_kernel_d_far_offset_sign", "pallas_kernels/pack3d_attention/__init__.py",
-      "else jnp.sum(grads[5], axis=(0, 3))", "else -jnp.sum(grads[5], axis=(0, 3))",
+      "else jnp.sum(grads[5], axis=(0, 2))", "else -jnp.sum(grads[5], axis=(0, 2))",
       f"{P3I}::test_pack3d_far_offset_forward_and_grads[mosaic-default]"),
     m("pack3d_triton_fwd_far_offset_dropped", "pallas_kernels/pack3d_attention/triton.py",
       "tiles.finish(*_summary_loop(plan, cols_ref, rows_ref, off_ref, far, state))",

@@ -20,7 +20,10 @@ _PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_TIME = re.compile(r"Compile time = ([\d.]+) ms")
 _THUNK = re.compile(r"\] (\S+) grid: \[[^\]]*\] threads: \[[^\]]*\]\s+shared_memory: (\d+) bytes")
-_TPU_CALL = re.compile(r"%([\w.-]+) = .*custom_call_target=\"tpu_custom_call\"")
+# A Mosaic kernel is a tpu_custom_call, or (when XLA fuses an update of its output into it) a
+# kCustom fusion made from the pallas_call.
+_TPU_CALL = re.compile(r"%([\w.-]+) = .*(?:custom_call_target=\"tpu_custom_call\""
+                       r"|kind=kCustom, calls=.*op_name=\"[^\"]*pallas_call\")")
 _SCOPED = re.compile(r"\"used_scoped_memory_configs\":\[([^\]]*)\]")
 _SIZE = re.compile(r"\"size\":\"(\d+)\"")
 _REQUESTED = re.compile(r"requested (\d+)")

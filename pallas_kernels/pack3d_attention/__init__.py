@@ -2,11 +2,12 @@
 
 Math and shapes: `jaxops.pack3d` (the reference this kernel is tested against). Tokens
 are scattered into the cube-major layout of `jaxops.pack3d_layout.cube_layout` (a cube is a
-contiguous slab of T slots, empty slots masked), the summaries kbar, vbar are
-precomputed in XLA (`cube_summaries`), and one program per (batch, head, query cube)
+contiguous slab of T slots, empty slots masked; each slot one [H * D] row, the heads side by
+side on the lanes: no head-width padding in HBM), the summaries kbar, vbar are
+precomputed in XLA (`cube_summaries`), and for each (batch, head, query cube) the kernel
 runs ONE online softmax over two key streams: its <= (2r+1)^3 neighbour cubes, then the
-cube summaries, whose far-or-not bias each program derives from the cubes' keys (plus
-its head's far offset, if given).
+cube summaries, whose far-or-not bias it derives from the cubes' keys (plus the head's
+far offset, if given). On TPU one program serves all heads of a query cube.
 Backward FlashAttention-2 style: dq over query cubes; dk/dv over key cubes, visiting the
 query cubes that have them as neighbours (the relation is symmetric); summary gradients
 over summary blocks, reaching the tokens through the (autodiff) VJP of the cube mean; the
@@ -14,8 +15,9 @@ far offset's gradient as per-summary sums of the far scores' gradient from the s
 kernel, summed here over batch entries and summaries.
 
 Files: `blocks.py` (tile sizes and the tuned table), `tiles.py` (tile math, far biases,
-tile plan), `mosaic.py` (TPU: scalar-prefetched neighbour table, looped over blocks of
-query cubes to fit SMEM), `triton.py` (GPU: fori_loops over neighbours and summaries).
+tile plan, the operand layout), `mosaic.py` (TPU: scalar-prefetched neighbour table,
+looped over blocks of query cubes to fit SMEM), `triton.py` (GPU: fori_loops over
+neighbours and summaries, head-major operands).
 
 `pack3d_attention` is the one public entry point; it dispatches with
 `pallas_kernels.dispatch` (Mosaic on TPU, Triton on GPU, interpret mode on CPU).
@@ -52,40 +54,37 @@ def _forward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vba
              tables: Tables, *, options):
   plan = _plan(backend, interpret, blocks, q, tables, offset, options)
   kbar, vbar, tables = plan.pad_summaries(kbar, vbar, tables)
-  o, lse = _KERNELS[backend].forward(plan, blocks, interpret,
-                                     *(plan.pad_d(x) for x in (q, k, v)), kbar, vbar, offset,
-                                     tables)
-  return o[..., :q.shape[3]], lse
+  return _KERNELS[backend].forward(plan, blocks, interpret, q, k, v, kbar, vbar, offset, tables)
 
 
 def _backward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vbar, offset,
               tables: Tables, o, lse, do, *, options):
   plan = _plan(backend, interpret, blocks, q, tables, offset, options)
-  delta = jnp.sum(do.astype(_F32) * o.astype(_F32), axis=-1, keepdims=True)
+  per_head = lambda x: x.astype(_F32).reshape(plan.batch, plan.cubes, plan.t, plan.heads, -1)
+  delta = jnp.swapaxes(jnp.sum(per_head(do) * per_head(o), axis=-1), 2, 3)   # [B, C, H, T]
   kbar_p, vbar_p, tables = plan.pad_summaries(kbar, vbar, tables)
-  q_p, k_p, v_p, do_p = (plan.pad_d(x) for x in (q, k, v, do.astype(q.dtype)))
-  grads = _KERNELS[backend].backward(plan, blocks, interpret, q_p, k_p, v_p, kbar_p, vbar_p,
-                                     offset, tables, do_p, lse, delta)
-  d, cubes = q.shape[3], plan.cubes
-  dq, dk, dv = (g[..., :d] for g in grads[:3])
-  dkbar, dvbar = (g[:, :, :cubes, :d] for g in grads[3:5])
-  # [B, H, 1, Cs] per-summary parts (padded summaries are never far: 0) -> [H, 1, 1]
-  d_offset = None if offset is None else jnp.sum(grads[5], axis=(0, 3))[:, :, None]
-  return dq, dk, dv, dkbar, dvbar, d_offset
+  grads = _KERNELS[backend].backward(plan, blocks, interpret, q, k, v, kbar_p, vbar_p, offset,
+                                     tables, do.astype(q.dtype), lse, delta)
+  dkbar, dvbar = (g[:, :plan.cubes] for g in grads[3:5])
+  # [B, H, Cs] per-summary parts (padded summaries are never far: 0) -> [H, 1, 1]
+  d_offset = None if offset is None else jnp.sum(grads[5], axis=(0, 2))[:, None, None]
+  return *grads[:3], dkbar, dvbar, d_offset
 
 
 def _to_slots(layout, x):
-  """[B, N, H, D] -> head-major cube slots [B, H, C * T, D], empty slots zero. Heads move
-  first before the scatter: a [.., H, D] minor pair (2 x 48) takes an (8, 128) tile on TPU."""
-  xh = jnp.moveaxis(x, 2, 1)
-  flat = jnp.zeros(xh.shape[:2] + (layout.num_cubes * layout.slots_per_cube, xh.shape[3]),
-                   x.dtype)
-  return jax.vmap(lambda f, s, v: f.at[:, s].set(v))(flat, layout.slot, xh)
+  """[B, N, H, D] -> cube slots with the heads on the lanes [B, C * T, H * D], empty slots
+  zero. Whole [H * D] rows are scattered: on TPU an [N, H, D] array pads both minor dims
+  (D = 24 to 128 lanes), an [N, H * D] one only H * D."""
+  batch, n, heads, d = x.shape
+  flat = jnp.zeros((batch, layout.num_cubes * layout.slots_per_cube, heads * d), x.dtype)
+  return jax.vmap(lambda f, s, v: f.at[s].set(v))(flat, layout.slot,
+                                                   x.reshape(batch, n, heads * d))
 
 
-def _from_slots(layout, o):
-  """Inverse of `_to_slots`: [B, H, C * T, D] -> [B, N, H, D]."""
-  return jnp.moveaxis(jax.vmap(lambda f, s: f[:, s])(o, layout.slot), 1, 2)
+def _from_slots(layout, o, heads: int):
+  """Inverse of `_to_slots`: [B, C * T, H * D] -> [B, N, H, D]."""
+  rows = jax.vmap(lambda f, s: f[s])(o, layout.slot)
+  return rows.reshape(*rows.shape[:2], heads, -1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -141,21 +140,21 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                        max_cubes=max_cubes, slots_per_cube=next_pow2(math.prod(block_shape)))
   batch, n, heads, d = q.shape
   cubes, t = layout.num_cubes, layout.slots_per_cube
-  q_s, k_s, v_s = (_to_slots(layout, x) for x in (q, k, v))      # [B, H, C * T, D]
-  if summary_rope is None:  # cube means straight from the head-major slots
-    inv_n = 1.0 / jnp.maximum(layout.count, 1.0)[:, None, :, None]
-    mean = lambda x: jnp.sum(x.reshape(batch, heads, cubes, t, d).astype(_F32), 3) * inv_n
-    kbar, vbar = mean(k_s), mean(v_s)                             # [B, H, C, D]
+  q_s, k_s, v_s = (_to_slots(layout, x) for x in (q, k, v))      # [B, C * T, H * D]
+  if summary_rope is None:  # cube means straight from the slots
+    inv_n = 1.0 / jnp.maximum(layout.count, 1.0)[:, :, None]
+    mean = lambda x: jnp.sum(x.reshape(batch, cubes, t, heads * d).astype(_F32), 2) * inv_n
+    kbar, vbar = mean(k_s), mean(v_s)                             # [B, C, H * D]
   else:
-    kbar, vbar = (jnp.moveaxis(s, 2, 1) for s in cube_summaries(
+    kbar, vbar = (s.reshape(batch, cubes, heads * d) for s in cube_summaries(
         layout, layout.to_cubes(k), layout.to_cubes(v), coords, summary_rope))
   rows = layout.cube_rows()
   tables = Tables(key_bias=jnp.where(layout.key_valid(), 0.0, MASK)[:, :, None, :],
                   cube_rows=rows, cube_cols=jnp.swapaxes(rows, 1, 2),
                   neighbours=layout.neighbours, num_neighbours=layout.num_neighbours)
-  options = (("block_bias", bool(block_bias)), ("radius", int(radius_blocks)))
+  options = (("block_bias", bool(block_bias)), ("heads", heads), ("radius", int(radius_blocks)))
   offset = (None if far_offset is None
             else jnp.asarray(far_offset).astype(_F32).reshape(heads, 1, 1))
   o = _attend(q_s, k_s, v_s, kbar.astype(q.dtype), vbar.astype(q.dtype), offset, tables, cfg,
               options)
-  return poison_overflow(layout, _from_slots(layout, o))
+  return poison_overflow(layout, _from_slots(layout, o, heads))

@@ -96,7 +96,7 @@ def _row(rows, i):
   return jnp.sum(jnp.where(ids == i, rows, 0.0), axis=0, keepdims=True)
 
 
-def _col(row, j):
+def entry(row, j):
   """row[0, j] as [1, 1]."""
   ids = jax.lax.broadcasted_iota(jnp.int32, row.shape, 1)
   return jnp.sum(jnp.where(ids == j, row, 0.0), axis=1, keepdims=True)
@@ -105,7 +105,7 @@ def _col(row, j):
 def query_key(cols, r):
   """(field, cz, cy, cx) of the cube in row r of a [R, 8] block of cube_cols, each [1, 1]."""
   row = _row(cols, r)
-  return tuple(_col(row, j) for j in range(4))
+  return tuple(entry(row, j) for j in range(4))
 
 
 def far_bias(key, rows, radius: int, block_bias: bool, offset=None):
@@ -137,14 +137,17 @@ def absent_refs(kernel, positions):
 
 
 # ----------------------------------------------------------------------------
-# The tile plan and the operands. Per batch entry b and head h, tokens cube-major:
-#   q, k, v, o, do [B, H, C*T, D]; lse, delta [B, H, C*T, 1] float32
-#   kbar, vbar [B, H, Cs, D] (Cs: C padded to a multiple of S)
+# The tile plan and the operands. Per batch entry b, tokens cube-major, heads on the lanes
+# (an [.., H*D] row is dense on TPU lanes, where [.., H, D] pads D to 128 in HBM):
+#   q, k, v, o, do [B, C*T, H*D]; lse, delta [B, C, H, T] float32 (one row of T per head)
+#   kbar, vbar [B, Cs, H*D] (Cs: C padded to a multiple of S)
 #   key_bias [B, C, 1, T] float32 (0 for a token, MASK for an empty slot)
 #   cube_rows [B, 8, Cs], cube_cols [B, C, 8] float32 (see `far_bias`)
 #   neighbours [B, C, K] int32, num_neighbours [B, C] int32 (see jaxops.pack3d_layout.CubeLayout)
 #   offset [H, 1, 1] float32 (beta_h; only with a far offset), its gradient's per-summary
-#   parts d_offset [B, H, 1, Cs] float32 (summed outside)
+#   parts d_offset [B, H, Cs] float32 (summed outside)
+# The Mosaic kernels read these as they are; the Triton ones move the heads first (and pad D
+# to a power of two) on the way in, and back on the way out.
 # ----------------------------------------------------------------------------
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -163,15 +166,17 @@ class Tables:
 
 @dataclasses.dataclass(frozen=True)
 class TilePlan:
-  """Static sizes of one call: B, H, C cubes, T slots per cube, D (padded), K neighbours
-  per cube, S summaries per step, Cs = C padded to S, the softmax scale, the far test's
-  radius and bias, (Mosaic) query cubes per call, (Triton) query rows per dK/dV step, and
-  whether the far logits carry a per-head offset (an operand, and a gradient output)."""
+  """Static sizes of one call: B, H, C cubes, T slots per cube, D (the head width) and d
+  (its tile width: D, or for Triton D padded to a power of two), K neighbours per cube, S
+  summaries per step, Cs = C padded to S, the softmax scale, the far test's radius and bias,
+  (Mosaic) query cubes per call, (Triton) query rows per dK/dV step, and whether the far
+  logits carry a per-head offset (an operand, and a gradient output)."""
 
   batch: int
   heads: int
   cubes: int
   t: int
+  head_dim: int
   d: int
   k_max: int
   s_block: int
@@ -184,11 +189,12 @@ class TilePlan:
   far_offset: bool = False
 
   @classmethod
-  def make(cls, backend: Backend, blocks: BlockSizes, q, tables: Tables, *, radius: int,
-           block_bias: bool, compiled: bool, far_offset: bool = False) -> "TilePlan":
-    """compiled=False (interpret mode) lifts the compilers' minimum block_summaries (Mosaic:
-    128 lanes; Triton: 16 for tl.dot), so small tests can walk several summary blocks."""
-    batch, heads, _, d = q.shape
+  def make(cls, backend: Backend, blocks: BlockSizes, q, tables: Tables, *, heads: int,
+           radius: int, block_bias: bool, compiled: bool, far_offset: bool = False) -> "TilePlan":
+    """q [B, C*T, H*D]. compiled=False (interpret mode) lifts the compilers' minimum
+    block_summaries (Mosaic: 128 lanes; Triton: 16 for tl.dot), so small tests can walk
+    several summary blocks."""
+    batch, d = q.shape[0], q.shape[2] // heads
     cubes, _, t = tables.key_bias.shape[1:]
     s = blocks.block_summaries
     if backend == "triton":  # power-of-two tiles, >= 16 for tl.dot
@@ -207,22 +213,17 @@ class TilePlan:
         raise ValueError(f"pack3d_attention: Mosaic block size `block_summaries` must be a "
                          f"multiple of 128 (or hold every cube), got {s}")
       d_pad, per_call, rows = d, min(blocks.cubes_per_call, cubes), t
-    return cls(batch, heads, cubes, t, d_pad, tables.neighbours.shape[2], s, round_up(cubes, s),
-               1.0 / math.sqrt(d), radius, block_bias, per_call, rows, far_offset)
+    return cls(batch, heads, cubes, t, d, d_pad, tables.neighbours.shape[2], s,
+               round_up(cubes, s), 1.0 / math.sqrt(d), radius, block_bias, per_call, rows,
+               far_offset)
 
   @property
   def summary_blocks(self) -> int:
     return self.c_s // self.s_block
 
-  def f32_rows(self):
-    return jax.ShapeDtypeStruct((self.batch, self.heads, self.cubes * self.t, 1), _F32)
-
-  def pad_d(self, x):
-    return jnp.pad(x, ((0, 0),) * 3 + ((0, self.d - x.shape[3]),))
-
   def pad_summaries(self, kbar, vbar, tables: Tables):
-    """Summaries padded to Cs rows (and D), cube_rows to Cs columns (count 0: not far)."""
+    """Summaries [B, C, H*D] padded to Cs rows, cube_rows to Cs columns (count 0: not far)."""
     extra = self.c_s - self.cubes
-    pad_rows = lambda x: self.pad_d(jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0))))
+    pad_rows = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0)))
     rows = jnp.pad(tables.cube_rows, ((0, 0), (0, 0), (0, extra)))
     return pad_rows(kbar), pad_rows(vbar), dataclasses.replace(tables, cube_rows=rows)

@@ -1,7 +1,9 @@
 """Pack3D attention on GPU (Triton): one program per (b, h, cube); grid steps cannot carry
 state, so the two key streams are fori_loops inside, reading tiles from refs passed whole
-(k/v rows `pl.ds(pl.multiple_of(c * T, T), T)` of neighbour cube c). D is zero-padded to
-a power of two, as Triton blocks must be. With a far offset, the forward, dq and summary
+(k/v rows `pl.ds(pl.multiple_of(c * T, T), T)` of neighbour cube c). The kernels work
+head-major ([B, H, C*T, d] operands, lse and delta [B, H, C*T, 1]): `forward` and
+`backward` move the heads out of the lanes of the shared layout (`tiles`) and back, and pad
+D to a power of two d, as Triton blocks must be. With a far offset, the forward, dq and summary
 kernels read their head's beta ([1, 1, 1] block) and the summary kernel also writes
 per-summary sums of the far scores' gradient (d beta); without one (off_ref, doff_ref None)
 neither exists (`tiles.absent_refs`)."""
@@ -144,6 +146,28 @@ def _call(kernel, plan: TilePlan, grid, in_specs, out_specs, out_shape, interpre
   )(*args)
 
 
+def _split_heads(plan: TilePlan, x):
+  """[B, R, H*D] -> [B, H, R, d] (D zero-padded to d)."""
+  x = jnp.swapaxes(x.reshape(x.shape[0], x.shape[1], plan.heads, plan.head_dim), 1, 2)
+  return jnp.pad(x, ((0, 0),) * 3 + ((0, plan.d - plan.head_dim),))
+
+
+def _merge_heads(plan: TilePlan, x):
+  """Inverse of `_split_heads`: [B, H, R, d] -> [B, R, H*D]."""
+  x = jnp.swapaxes(x[..., :plan.head_dim], 1, 2)
+  return x.reshape(x.shape[0], x.shape[1], plan.heads * plan.head_dim)
+
+
+def _stats_to_rows(plan: TilePlan, x):
+  """Per-row statistics [B, C, H, T] -> [B, H, C*T, 1]."""
+  return jnp.swapaxes(x, 1, 2).reshape(plan.batch, plan.heads, plan.cubes * plan.t, 1)
+
+
+def _rows_to_stats(plan: TilePlan, x):
+  """Inverse of `_stats_to_rows`."""
+  return jnp.swapaxes(x.reshape(plan.batch, plan.heads, plan.cubes, plan.t), 1, 2)
+
+
 class _Specs:
   """Specs on grid (b, h, cube a): this cube's tiles, whole arrays, and the tables."""
 
@@ -165,20 +189,40 @@ class _Specs:
 
 
 def forward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables):
+  """o [B, C*T, H*D] and lse [B, C, H, T] from the shared layout (`tiles`)."""
+  o, lse = _forward(plan, blocks, interpret, *(_split_heads(plan, x) for x in (q, k, v, kbar, vbar)),
+                    offset, tables)
+  return _merge_heads(plan, o), _rows_to_stats(plan, lse)
+
+
+def backward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables,
+             do, lse, delta):
+  """dq, dk, dv, dkbar, dvbar in the shared layout and, with a far offset, its per-summary
+  parts [B, H, Cs]."""
+  heads = [_split_heads(plan, x) for x in (q, k, v, kbar, vbar)]
+  grads = _backward(plan, blocks, interpret, *heads, offset, tables, _split_heads(plan, do),
+                    *(_stats_to_rows(plan, x) for x in (lse, delta)))
+  return (*(_merge_heads(plan, g) for g in grads[:5]),
+          *(g.reshape(plan.batch, plan.heads, plan.c_s) for g in grads[5:]))
+
+
+def _forward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables):
   sp = _Specs(plan)
+  rows = jax.ShapeDtypeStruct((plan.batch, plan.heads, plan.cubes * plan.t, 1), _F32)
   return _call(
       _fwd_kernel, plan, (plan.batch, plan.heads, plan.cubes),
       [sp.nbr, sp.nnb, sp.own, sp.whole, sp.whole, sp.key_bias_all, sp.summ, sp.summ, sp.rows,
        sp.cols, sp.offset],
-      [sp.own, sp.own_rows], [jax.ShapeDtypeStruct(q.shape, q.dtype), plan.f32_rows()],
+      [sp.own, sp.own_rows], [jax.ShapeDtypeStruct(q.shape, q.dtype), rows],
       interpret, "pack3d_fwd", (blocks.num_warps, blocks.num_stages), tables.neighbours,
       tables.num_neighbours, q, k, v, tables.key_bias, kbar, vbar, tables.cube_rows,
       tables.cube_cols, offset, takes_offset=True)
 
 
-def backward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables,
-             do, lse, delta):
-  """dq, dk, dv, dkbar, dvbar and, with a far offset, its per-summary parts [B, H, 1, Cs]."""
+def _backward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables,
+              do, lse, delta):
+  """Head-major dq, dk, dv, dkbar, dvbar and, with a far offset, its per-summary parts
+  [B, H, 1, Cs]."""
   sp = _Specs(plan)
   grid = (plan.batch, plan.heads, plan.cubes)
   nbr = (tables.neighbours, tables.num_neighbours)
