@@ -92,16 +92,18 @@ def parse(name: str) -> Case:
 
 def all_cases(kind: str, ops=None, hopper: bool = False, shapes=None) -> list[Case]:
   """Every shape x direction x dtype of the given ops (far-offset shapes: grad only), plus the
-  target kind's oversized case (and the Mosaic GPU one on a Hopper target). `shapes` (a set
-  of shape names, None: all) selects shapes and leaves the oversized cases out."""
+  target kind's oversized case (and the Mosaic GPU one on a Hopper target) when their op is
+  among `ops`. `shapes` (a set of shape names, None: all) selects shapes and leaves the
+  oversized cases out."""
   cases = [Case(op, shape, direction, dtype)
            for op, op_shapes in SHAPES.items() if ops is None or op in ops
            for shape, sizes in op_shapes.items() if shapes is None or shape in shapes
            for direction in (("grad",) if sizes.get("far_offset") else ("fwd", "grad"))
            for dtype in ("float32", "bfloat16")]
+  oversized = [OVERSIZED[kind]] + ([OVERSIZED["hopper"]] if hopper else [])
   if shapes is not None:
     return cases
-  return cases + [OVERSIZED[kind]] + ([OVERSIZED["hopper"]] if hopper else [])
+  return cases + [c for c in oversized if ops is None or c.op in ops]
 
 
 def build(case: Case, kind: str):

@@ -60,8 +60,13 @@ def _forward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vba
 def _backward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vbar, offset,
               tables: Tables, o, lse, do, *, options):
   plan = _plan(backend, interpret, blocks, q, tables, offset, options)
-  per_head = lambda x: x.astype(_F32).reshape(plan.batch, plan.cubes, plan.t, plan.heads, -1)
-  delta = jnp.swapaxes(jnp.sum(per_head(do) * per_head(o), axis=-1), 2, 3)   # [B, C, H, T]
+  # delta = per-head rowsum(do * o) [B, C, H, T], the head sums as a matmul against the
+  # lanes' head indicator (splitting the lanes into [H, D] would pad D on TPU)
+  lanes = jnp.arange(plan.heads * plan.head_dim) // plan.head_dim
+  heads_of_lanes = (lanes[:, None] == jnp.arange(plan.heads)[None]).astype(_F32)
+  product = (do.astype(_F32) * o.astype(_F32)).reshape(plan.batch, plan.cubes, plan.t, -1)
+  delta = jnp.einsum("bctx,xh->bcht", product, heads_of_lanes,
+                     precision=jax.lax.Precision.HIGHEST)
   kbar_p, vbar_p, tables = plan.pad_summaries(kbar, vbar, tables)
   grads = _KERNELS[backend].backward(plan, blocks, interpret, q, k, v, kbar_p, vbar_p, offset,
                                      tables, do.astype(q.dtype), lse, delta)
@@ -73,17 +78,15 @@ def _backward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vb
 
 def _to_slots(layout, x):
   """[B, N, H, D] -> cube slots with the heads on the lanes [B, C * T, H * D], empty slots
-  zero. Whole [H * D] rows are scattered: on TPU an [N, H, D] array pads both minor dims
-  (D = 24 to 128 lanes), an [N, H * D] one only H * D."""
+  zero: on TPU an [N, H, D] array pads both minor dims (D = 24 to 128 lanes), an
+  [N, H * D] one only H * D."""
   batch, n, heads, d = x.shape
-  flat = jnp.zeros((batch, layout.num_cubes * layout.slots_per_cube, heads * d), x.dtype)
-  return jax.vmap(lambda f, s, v: f.at[s].set(v))(flat, layout.slot,
-                                                   x.reshape(batch, n, heads * d))
+  return layout.to_cubes(x.reshape(batch, n, heads * d)).reshape(batch, -1, heads * d)
 
 
 def _from_slots(layout, o, heads: int):
   """Inverse of `_to_slots`: [B, C * T, H * D] -> [B, N, H, D]."""
-  rows = jax.vmap(lambda f, s: f[s])(o, layout.slot)
+  rows = layout.from_cubes(o.reshape(o.shape[0], layout.num_cubes, layout.slots_per_cube, -1))
   return rows.reshape(*rows.shape[:2], heads, -1)
 
 
