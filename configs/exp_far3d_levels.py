@@ -1,0 +1,34 @@
+"""The multi-level far field on the far-context task: does `levels=2` learn as well as the
+paper's single level where the marker lies beyond a query's level-2 neighbourhood?
+
+  python -m experiments.repacking --config=configs/exp_far3d_levels.py
+
+The task of configs/exp_far3d.py (an object's class is decided by a cube-sized marker two or
+more cubes away, its surface flag by the exact local neighbourhood) on one 16^3 field per
+4096-token item (cubes of 2^3: 8^3 cubes per field; level-2 cubes of 4^3 tokens: 4^3 per
+field), batch 2, so a step holds the tokens of configs/exp_far3d.py's batch of 8. With
+radius 1 at both levels a query reads level-1 summaries within its level-2 neighbourhood
+(3^3 level-2 cubes) and level-2 summaries beyond: most objects see the marker only through a
+level-2 summary (the mean of 8 cubes, one of them the marker's). Arms: the single level (the
+default), two levels, and the local branch alone (the floor: no far context). Unseen shapes:
+other fields of 4096 tokens or fewer, each with at least 3 cubes per axis.
+"""
+
+from configs import exp_far3d
+
+
+def get_config():
+  c = exp_far3d.get_config()
+  c.batch_size = 2
+  c.data.update({"shapes": [(16, 16, 16)], "fields_per_item": 1, "num_tokens": 4096,
+                 "eval_shapes": [(12, 16, 20), (16, 12, 12), (20, 14, 14), (8, 24, 16)]})
+  c.model.attention_options.max_cubes = 1024
+  c.experiment.update({
+      "name": "far3d_levels",
+      "lrs": (2e-3,),
+      "order": ("axial_rope", "levels2", "local_only"),
+      "arms": {"axial_rope": {"position": "axial_rope"},
+               "levels2": {"position": "axial_rope", "levels": 2},
+               "local_only": {"position": "axial_rope", "merge": "local"}},
+  })
+  return c
