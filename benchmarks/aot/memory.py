@@ -34,21 +34,13 @@ def main(argv=None):
   import jax
   import jax.numpy as jnp
   from flax import nnx
-  from jax.sharding import NamedSharding, PartitionSpec
 
-  from benchmarks.aot.targets import device_mesh
+  from benchmarks.aot.targets import temp_bytes_on
   from benchmarks.flash_ffn_memory import fwd_bwd
   from models import FlashFFN, SwiGLU
-  from pallas_kernels.dispatch import target_chip
   from pallas_kernels.flash_ffn import mhffn
 
-  mesh = device_mesh(target)
-  sharding = NamedSharding(mesh, PartitionSpec())
-  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-  def temp(fn, *arg_specs):
-    with target_chip(target.name), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return jax.jit(fn).lower(*arg_specs).compile().memory_analysis().temp_size_in_bytes
+  spec, temp = temp_bytes_on(target)
 
   def layer_temp(layer, n, dtype):
     step, params = fwd_bwd(layer, remat=False)

@@ -20,7 +20,7 @@ import os
 from benchmarks.aot.targets import TARGETS, environment
 
 D_MODEL, HEADS, BLOCK = 96, 4, (4, 4, 4)
-GRIDS = {262144: (64, 64, 64), 1048576: (64, 128, 128)}
+GRIDS = {65536: (64, 32, 32), 262144: (64, 64, 64), 1048576: (64, 128, 128)}
 
 
 def main(argv=None):
@@ -36,15 +36,11 @@ def main(argv=None):
   import jax
   import jax.numpy as jnp
   from flax import nnx
-  from jax.sharding import NamedSharding, PartitionSpec
 
-  from benchmarks.aot.targets import device_mesh
+  from benchmarks.aot.targets import temp_bytes_on
   from models import Pack3DAttention
-  from pallas_kernels.dispatch import target_chip
 
-  mesh = device_mesh(target)
-  sharding = NamedSharding(mesh, PartitionSpec())
-  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  spec, temp = temp_bytes_on(target)
   dtype = jnp.dtype(args.dtype)
 
   def layer_temp(n, impl, levels):
@@ -59,10 +55,7 @@ def main(argv=None):
 
     params = jax.tree.map(lambda p: spec(p.shape, p.dtype), params)
     x = spec((1, n, D_MODEL), dtype)
-    with target_chip(target.name), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      compiled = jax.jit(step).lower(params, x, spec((1, n, 3), jnp.int32),
-                                     spec((1, n), jnp.int32), x).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+    return temp(step, params, x, spec((1, n, 3), jnp.int32), spec((1, n), jnp.int32), x)
 
   variants = {"kernel, 1 level": ("pallas", 1), "XLA path, 1 level": ("xla", 1)}
   variants.update({f"XLA path, {k} levels": ("xla", int(k)) for k in args.levels.split(",")})

@@ -73,3 +73,26 @@ def device_mesh(target: Target):
     topo = topologies.get_topology_desc(target.spec.split(".")[0], "cuda",
                                         target_config=config, topology="1x1x1")
   return Mesh(np.array(topo.devices[:1]), ("chip",))
+
+
+def temp_bytes_on(target: Target):
+  """(spec, temp) for memory measurements on one chip of `target` (call in the target's venv
+  with its `environment` set): spec(shape, dtype) is an abstract argument placed on it, and
+  temp(fn, *specs) XLA's temp_size_in_bytes of jit(fn) compiled for it (the kernels tiled
+  for that chip)."""
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from pallas_kernels.dispatch import target_chip
+
+  mesh = device_mesh(target)
+  sharding = NamedSharding(mesh, PartitionSpec())
+
+  def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+  def temp(fn, *arg_specs):
+    with target_chip(target.name), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return jax.jit(fn).lower(*arg_specs).compile().memory_analysis().temp_size_in_bytes
+
+  return spec, temp
