@@ -278,11 +278,15 @@ def repacking(d) -> str:
   out.append("Near / far decomposition (object tokens: marker class right = far; surface flag "
              "right = near)\n\n" + _table(["arm", "shapes", "layout", "all tokens", "objects",
                                            "far (marker class)", "near (surface)"], rows))
-  if "local_only" in arms:  # the far branch's worth: each arm minus local-only, same seed
-    ref = {r["seed"]: r for r in arms["local_only"]}
+  # the far branch's worth (each arm minus local-only) and the default's (each minus axial
+  # RoPE), same seed
+  for base in ("local_only", "axial_rope"):
+    if base not in arms:
+      continue
+    ref = {r["seed"]: r for r in arms[base]}
     rows = []
     for a, rs in arms.items():
-      if a == "local_only":
+      if a in ("local_only", base):
         continue
       for name in ("train_shapes", "unseen_shapes"):
         metric = lambda r: r["eval"][name]["raster_zyx"]["acc_objects"]
@@ -291,9 +295,10 @@ def repacking(d) -> str:
         rows.append([f"`{a}`", name.replace("_", " "), ", ".join(f"{x:+.3f}" for x in diffs),
                      "n/a" if ci["low"] is None else
                      f"{ci['mean']:+.3f} [{ci['low']:+.3f}, {ci['high']:+.3f}]"])
-    out.append("Object accuracy (raster_zyx) minus `local_only`'s, same seed; 95% t interval "
-               "over the seeds\n\n" + _table(["arm", "shapes", "per seed", "mean [95% interval]"],
-                                               rows))
+    if rows:
+      out.append(f"Object accuracy (raster_zyx) minus `{base}`'s, same seed; 95% t interval "
+                 "over the seeds\n\n" + _table(["arm", "shapes", "per seed",
+                                                 "mean [95% interval]"], rows))
   walls = {a: np.mean([r["wall_s"] for r in rs]) / 60 for a, rs in arms.items()}
   out.append("Wall time per run (min): " + ", ".join(f"{a} {w:.1f}" for a, w in walls.items()))
   return "\n\n".join(out)
