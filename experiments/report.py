@@ -160,7 +160,7 @@ def frac_extrapolate(d) -> str:
     arms = [a for a in order if a in at_best] + sorted(set(at_best) - set(order))
     first = next(iter(runs.values()))
     length = first["length"]
-    lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs.values()})
+    lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs.values() if "lr" in r})
     rows = []
     for a in arms:
       r0 = at_best[a][0]
@@ -253,12 +253,35 @@ def frac_extrapolate(d) -> str:
   return "\n\n".join(out)
 
 
+def _at_chosen_lr(runs: dict, best: dict) -> tuple[dict, str]:
+  """The runs of each arm at one learning rate: its swept best, or (sweep not finished) the
+  rate with the most seeds; and a line saying which."""
+  by_arm: dict = {}
+  for r in runs.values():
+    by_arm.setdefault(r["arm"], []).append(r)
+  chosen, notes = {}, []
+  for a, rs in by_arm.items():
+    counts = {}
+    for r in rs:
+      counts[r["lr"]] = counts.get(r["lr"], 0) + 1
+    lr = best.get(a, max(counts, key=counts.get))
+    chosen.update({k: r for k, r in runs.items() if r["arm"] == a and r["lr"] == lr})
+    notes.append(f"{a} {lr:g}" + ("" if a in best else " (sweep pending)"))
+  return chosen, "Learning rate of each arm's rows below: " + ", ".join(notes) + "."
+
+
 def repacking(d) -> str:
   order = ["learned_packed", "rope_packed", "axial_rope", "none", "local_only", "dense",
            "far_offset"]
-  arms = _by_arm(d["runs"], order)
+  runs, out = d["runs"], []
+  lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs.values() if "lr" in r})
+  if len(lrs) > 1:  # swept: a sweep table, then every arm at its own best rate
+    table, best = _sweep_table(list(runs.values()), lrs, "acc_objects_train_layout",
+                               lower_is_better=False, digits=3)
+    runs, note = _at_chosen_lr(runs, best)
+    out += [table, note]
+  arms = _by_arm(runs, order)
   layouts = ["raster_zyx", "raster_xyz", "morton", "hilbert", "cube_major", "shuffled_fields"]
-  out = []
   for name in ("train_shapes", "unseen_shapes"):
     rows = []
     for a, rs in arms.items():
@@ -321,29 +344,37 @@ def seg3d(d) -> str:
                  "per seed best/final", "wall min/run", "load avg"], rows)
 
 
-def sweep(d, metric: str, reference: str, *, lower_is_better: bool = True,
-          digits: int = 4) -> str:
-  """Two tables for an experiment run by `common.sweep_then_seeds`: the learning-rate sweep at
-  the first seed, then every arm at its best learning rate with the per-seed paired difference
-  against `reference` (same seed) and its 95% t interval."""
-  runs = d["runs"].values()
-  lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs})
+def _sweep_table(runs: list, lrs, metric: str, lower_is_better: bool, digits: int):
+  """The learning-rate sweep at the first seed as a table, and {arm: best lr} for the arms
+  whose sweep is complete."""
   arms = list(dict.fromkeys(r["arm"] for r in runs))
   first = min(r["seed"] for r in runs)
   pick = min if lower_is_better else max
-  best, sweep_rows = {}, []
+  best, rows = {}, []
   for a in arms:
     at = {r["lr"]: r[metric] for r in runs if r["arm"] == a and r["seed"] == first}
     if len(at) == len(lrs):
       best[a] = pick(at, key=at.get)
     r0 = next(r for r in runs if r["arm"] == a)
-    sweep_rows.append([f"`{a}`", f"{r0['params']:,}",
-                       f"{r0['flops_per_token']:,}" if "flops_per_token" in r0 else "n/a"]
-                      + [f"{at[lr]:.{digits}f}" if lr in at else "-" for lr in lrs]
-                      + [f"{best[a]:g}" if a in best else "pending"])
-  out = [f"Learning-rate sweep (seed {first}; {metric}):\n",
-         _table(["arm", "params", "FLOPs/token"] + [f"lr {lr:g}" for lr in lrs] + ["best lr"],
-                sweep_rows)]
+    rows.append([f"`{a}`", f"{r0['params']:,}",
+                 f"{r0['flops_per_token']:,}" if "flops_per_token" in r0 else "n/a"]
+                + [f"{at[lr]:.{digits}f}" if lr in at else "-" for lr in lrs]
+                + [f"{best[a]:g}" if a in best else "pending"])
+  table = (f"Learning-rate sweep (seed {first}; {metric}):\n\n"
+           + _table(["arm", "params", "FLOPs/token"] + [f"lr {lr:g}" for lr in lrs]
+                    + ["best lr"], rows))
+  return table, best
+
+
+def sweep(d, metric: str, reference: str, *, lower_is_better: bool = True,
+          digits: int = 4) -> str:
+  """Two tables for an experiment run by `common.sweep_then_seeds`: the learning-rate sweep at
+  the first seed, then every arm at its best learning rate with the per-seed paired difference
+  against `reference` (same seed) and its 95% t interval."""
+  runs = list(d["runs"].values())
+  lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs})
+  table, best = _sweep_table(runs, lrs, metric, lower_is_better, digits)
+  out = [table]
   at_best = {a: {r["seed"]: r[metric] for r in runs if r["arm"] == a and r["lr"] == best[a]}
              for a in best}
   ref = at_best.get(reference, {})

@@ -286,3 +286,28 @@ def test_results_file_keeps_a_concurrent_runners_entries(tmp_path):
   on_disk = common.Results("demo", directory=tmp_path)
   assert sorted(on_disk.runs) == ["a/seed0", "a/seed1", "b/seed0"]
   assert on_disk.data["profile"] == {"b": 1}
+
+
+def test_far3d_report_shows_each_arm_at_its_own_best_lr():
+  """A swept geometry experiment: the sweep table picks the highest accuracy per arm (at the
+  first seed), and the per-layout and paired tables use only those runs (no rates mixed)."""
+  from experiments import report
+  layouts = ("raster_zyx", "raster_xyz", "morton", "hilbert", "cube_major", "shuffled_fields")
+
+  def run(arm, lr, seed, acc):
+    metrics = {"acc_objects": acc, "acc_tokens": acc, "acc_far_marker": acc,
+               "acc_near_surface": acc, "max_logit_change": 0.0}
+    ev = {name: {l: metrics for l in layouts} for name in ("train_shapes", "unseen_shapes")}
+    return {"arm": arm, "lr": lr, "seed": seed, "params": 10, "wall_s": 60.0, "eval": ev,
+            "acc_objects_train_layout": acc}
+
+  runs = [run("axial_rope", 1e-3, 0, 0.90), run("axial_rope", 2e-3, 0, 0.95),
+          run("axial_rope", 2e-3, 1, 0.94), run("local_only", 1e-3, 0, 0.60),
+          run("local_only", 2e-3, 0, 0.50), run("local_only", 1e-3, 1, 0.61),
+          run("local_only", 2e-3, 1, 0.10)]
+  d = {"meta": {"lrs": [1e-3, 2e-3]}, "runs": {f"{r['arm']}@{r['lr']}/{r['seed']}": r for r in runs}}
+  text = report.repacking(d)
+  assert "| `axial_rope` | 10 | n/a | 0.900 | 0.950 | 0.002 |" in text
+  assert "| `local_only` | 10 | n/a | 0.600 | 0.500 | 0.001 |" in text
+  assert "axial_rope 0.002, local_only 0.001." in text
+  assert "+0.350, +0.330 | +0.340" in text   # axial at 2e-3 minus local-only at 1e-3, per seed
