@@ -1,5 +1,5 @@
-"""Pack3D on a GPU: compiled Triton kernel vs reference, and fwd+bwd time vs dense attention
-(XLA and cuDNN).
+"""Pack3D on a GPU: compiled kernels (Triton; Mosaic GPU for bf16 on Hopper) vs reference, and
+fwd+bwd time vs dense attention (XLA and cuDNN).
 
 Run by benchmarks/gpu_check.sh; prints one line per check, exits non-zero on a mismatch.
   python -m benchmarks.gpu_pack3d
@@ -20,9 +20,20 @@ from jaxops import pack3d as ops
 from jaxops import packing
 from jaxops.pack3d_layout import cube_layout
 from pallas_kernels import pack3d_attention as kernel
+from pallas_kernels.dispatch import compute_capability, mosaic_gpu_available
 
 HEADS, HEAD_DIM = 2, 48
 ON_GPU = jax.default_backend() == "gpu"
+# The Mosaic GPU body beside Triton where it compiles: Hopper, 16-bit inputs, jax >= 0.11.2.
+HOPPER = ON_GPU and mosaic_gpu_available() and (compute_capability() or (0,))[0] == 9
+
+
+def backends(dtype) -> tuple:
+  """The kernel bodies to check: each compiled one on a GPU, the default (interpreted)
+  off it."""
+  if not ON_GPU:
+    return (None,)
+  return ("triton", "mosaic_gpu") if HOPPER and jnp.dtype(dtype).itemsize == 2 else ("triton",)
 
 
 def packed(shapes, layout="hilbert"):
@@ -93,13 +104,14 @@ def cpu_vs_gpu(dtype, shapes) -> None:
 
 def check(dtype, tol) -> bool:
   ok = True
-  for case, shapes in CASES.items():
-    errs = errors(dtype, shapes)
+  for (case, shapes), backend in ((c, b) for c in CASES.items() for b in backends(dtype)):
+    errs = errors(dtype, shapes, backend=backend)
     n = packed(shapes)[0].shape[1]
     passed = max(errs) <= tol
     ok &= passed
-    print(f"  {jnp.dtype(dtype).name} {case} N={n}: o, dq, dk, dv rel. max errors "
-          + ", ".join(f"{e:.2e}" for e in errs) + f" ({'ok' if passed else 'FAIL'})", flush=True)
+    print(f"  {jnp.dtype(dtype).name} {backend or 'default'} {case} N={n}: o, dq, dk, dv rel. "
+          f"max errors " + ", ".join(f"{e:.2e}" for e in errs)
+          + f" ({'ok' if passed else 'FAIL'})", flush=True)
     if not passed and ON_GPU and dtype == jnp.float32:
       try:
         for name, options in VARIANTS.items():
@@ -119,8 +131,11 @@ def timing(shape, dtype) -> None:
       "dense XLA": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla"),
       "dense cuDNN": lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
                                                                   implementation="cudnn"),
-      "pack3d Triton": lambda q, k, v: kernel.pack3d_attention(q, k, v, coords, field_ids,
-                                                               interpret=False),
+      **{f"pack3d {name}": functools.partial(
+          lambda q, k, v, b: kernel.pack3d_attention(q, k, v, coords, field_ids,
+                                                     interpret=False, backend=b), b=b)
+         for name, b in (("Triton", "triton"), ("Mosaic GPU", "mosaic_gpu"))
+         if b in backends(dtype)},
       "pack3d XLA path": lambda q, k, v: ops.pack3d_attention(q, k, v, coords, field_ids),
   }
   dense = None

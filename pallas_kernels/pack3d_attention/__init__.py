@@ -17,10 +17,12 @@ kernel, summed here over batch entries and summaries.
 Files: `blocks.py` (tile sizes and the tuned table), `tiles.py` (tile math, far biases,
 tile plan, the operand layout), `mosaic.py` (TPU: scalar-prefetched neighbour table,
 looped over blocks of query cubes to fit SMEM), `triton.py` (GPU: fori_loops over
-neighbours and summaries, head-major operands).
+neighbours and summaries, head-major operands), `mosaic_gpu.py` (Hopper GPUs, jax >=
+0.11.2: TMA and WGMMA, one warpgroup per cube of 64 slots).
 
 `pack3d_attention` is the one public entry point; it dispatches with
-`pallas_kernels.dispatch` (Mosaic on TPU, Triton on GPU, interpret mode on CPU).
+`pallas_kernels.dispatch` (Mosaic on TPU; on a CUDA GPU Mosaic GPU for Hopper with 16-bit
+inputs and cubes of 33 to 64 tokens, Triton otherwise; interpret mode on CPU).
 """
 
 from __future__ import annotations
@@ -35,14 +37,14 @@ from jaxops.pack3d import MASK, check_pack3d_inputs, cube_summaries
 from jaxops.pack3d_layout import cube_layout, poison_overflow
 from jaxops.tiling import next_pow2
 from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
-from pallas_kernels.pack3d_attention import mosaic, triton
+from pallas_kernels.pack3d_attention import mosaic, mosaic_gpu, triton
 from pallas_kernels.pack3d_attention.blocks import TUNED, BlockSizes
 from pallas_kernels.pack3d_attention.tiles import Tables, TilePlan
 
 __all__ = ["BlockSizes", "TUNED", "pack3d_attention"]
 
 _F32 = jnp.float32
-_KERNELS = {"mosaic": mosaic, "triton": triton}
+_KERNELS = {"mosaic": mosaic, "triton": triton, "mosaic_gpu": mosaic_gpu}
 
 
 def _plan(backend: Backend, interpret, blocks: BlockSizes, q, tables: Tables, offset, options):
@@ -125,10 +127,13 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
       (`jaxops.pack3d_layout.layout_status` says which and why).
     far_offset: None, or beta [H] (float) added to every far-summary logit of its head;
       None leaves the kernels exactly as without it (no offset operand, no gradient output).
-    interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Triton);
-      True (or a `pltpu.InterpretParams`) interprets everywhere; False never interprets.
-    backend: force one lowering ("mosaic" or "triton"); with `interpret` this runs the
-      other platform's kernel body on CPU.
+    interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Mosaic GPU on
+      Hopper for 16-bit inputs and cubes of 33 to 64 tokens, Triton otherwise); True (or the
+      backend's interpreter params, `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`)
+      interprets everywhere; False never interprets.
+    backend: force one lowering ("mosaic", "triton" or "mosaic_gpu", the last on jax >=
+      0.11.2 and for cubes of 33 to 64 tokens only); with `interpret` this runs the other
+      platform's kernel body on CPU.
     **block_sizes: overrides of `BlockSizes` fields (block_summaries, cubes_per_call,
       num_warps, num_warps_bwd, num_stages); defaults from `TUNED` for chip and dtype.
 
@@ -137,10 +142,16 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   """
   check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks,
                       far_offset=far_offset)
+  slots = next_pow2(math.prod(block_shape))
+  if backend == "mosaic_gpu" and not mosaic_gpu.supports(slots):
+    raise ValueError(f"pack3d_attention: backend='mosaic_gpu' needs `block_shape` of 33 to "
+                     f"{mosaic_gpu.SLOTS} tokens (one WGMMA tile of query rows per cube), got "
+                     f"{tuple(block_shape)}: use backend='triton' or None")
+  backends = ("mosaic", "triton") + (("mosaic_gpu",) if mosaic_gpu.supports(slots) else ())
   cfg = KernelConfig.make("pack3d_attention", BlockSizes, backend=backend, interpret=interpret,
-                          block_sizes=block_sizes)
+                          block_sizes=block_sizes, backends=backends)
   layout = cube_layout(coords, field_ids, block_shape=block_shape, radius_blocks=radius_blocks,
-                       max_cubes=max_cubes, slots_per_cube=next_pow2(math.prod(block_shape)))
+                       max_cubes=max_cubes, slots_per_cube=slots)
   batch, n, heads, d = q.shape
   cubes, t = layout.num_cubes, layout.slots_per_cube
   q_s, k_s, v_s = (_to_slots(layout, x) for x in (q, k, v))      # [B, C * T, H * D]

@@ -16,7 +16,8 @@ from pallas_kernels.dispatch import Backend, tuned
 class BlockSizes:
   """block_summaries: cube summaries per step of the far stream (an upper bound). Mosaic:
     a multiple of 128 (cubes are the lane axis of the summaries' cube table) unless one
-    block holds them all.
+    block holds them all. Mosaic GPU: a multiple of 64 (a block is the summary kernel's
+    WGMMA M).
   cubes_per_call: Mosaic only. The neighbour table of the query cubes is prefetched into
     SMEM (1 MiB on v5e/v6e), which [B, C, 27] int32 outgrows (1.7 MiB at 262k tokens,
     batch 4): the kernels run as a loop of calls over blocks of this many query cubes,
@@ -53,4 +54,7 @@ TUNED = {
     ("triton", "gpu-h200", "float32"): BlockSizes(block_summaries=64, num_warps=4,
                                                   num_warps_bwd=8),
     ("triton", None, "bfloat16"): BlockSizes(block_summaries=64, num_warps=4, num_warps_bwd=4),
+    # Mosaic GPU: one warpgroup; summaries are the summary kernel's WGMMA M (64 rows).
+    ("mosaic_gpu", None, "float32"): BlockSizes(block_summaries=64),
+    ("mosaic_gpu", None, "bfloat16"): BlockSizes(block_summaries=64),
 }

@@ -111,7 +111,14 @@ def query_key(cols, r):
 def far_bias(key, rows, radius: int, block_bias: bool, offset=None):
   """[1, S] float32: log n_b (or 0), plus the head's far offset [1, 1] if given, for the far
   cubes of the query cube `key`; MASK else."""
-  field, z, y, x, count = (_row(rows, i) for i in range(5))
+  return far_bias_of(key, [_row(rows, i) for i in range(5)], radius, block_bias, offset)
+
+
+def far_bias_of(key, rows, radius: int, block_bias: bool, offset=None):
+  """`far_bias` from the summaries' (field, cz, cy, cx, count) as five arrays of one shape
+  (the Mosaic GPU kernels load them as vectors in a WGMMA layout); key entries and offset
+  broadcast against them."""
+  field, z, y, x, count = rows
   gap = lambda a, b: jnp.maximum(a - b, b - a)  # |a - b| (Mosaic lowers abs through sign,
   distance = jnp.maximum(jnp.maximum(gap(z, key[1]), gap(y, key[2])), gap(x, key[3]))  # which
   # asks the TPU generation and so fails a lowering from CPU)
@@ -167,10 +174,11 @@ class Tables:
 @dataclasses.dataclass(frozen=True)
 class TilePlan:
   """Static sizes of one call: B, H, C cubes, T slots per cube, D (the head width) and d
-  (its tile width: D, or for Triton D padded to a power of two), K neighbours per cube, S
-  summaries per step, Cs = C padded to S, the softmax scale, the far test's radius and bias,
-  (Mosaic) query cubes per call, (Triton) query rows per dK/dV step, and whether the far
-  logits carry a per-head offset (an operand, and a gradient output)."""
+  (its tile width: D, or D padded to a power of two for Triton, to a multiple of 16 for
+  Mosaic GPU), K neighbours per cube, S summaries per step, Cs = C padded to S, the softmax
+  scale, the far test's radius and bias, (Mosaic) query cubes per call, (Triton) query rows
+  per dK/dV step, and whether the far logits carry a per-head offset (an operand, and a
+  gradient output)."""
 
   batch: int
   heads: int
@@ -206,6 +214,12 @@ class TilePlan:
         raise ValueError(f"pack3d_attention: Triton block size `block_q_dkv` must be a power "
                          f"of two >= 16, got {blocks.block_q_dkv}")
       s, d_pad, per_call = min(s, next_pow2(cubes)), next_pow2(d), cubes
+    elif backend == "mosaic_gpu":  # summaries are WGMMA's M rows in the summary kernel
+      if s % 64:
+        raise ValueError(f"pack3d_attention: Mosaic GPU block size `block_summaries` must be "
+                         f"a multiple of 64, got {s}")
+      # D on WGMMA's contraction axis: whole 16-element steps (zero columns change nothing)
+      s, d_pad, per_call, rows = min(s, round_up(cubes, 64)), round_up(d, 16), cubes, t
     else:  # Mosaic: cubes are the lane axis of cube_rows' blocks
       if round_up(cubes, 8) <= s:
         s = round_up(cubes, 8)

@@ -1,0 +1,389 @@
+"""Pack3D attention on Hopper GPUs (Mosaic GPU, jax >= 0.11.2): TMA loads into shared
+memory, WGMMA matmuls with float32 accumulators in registers, one warpgroup per block.
+
+A query cube's T = 64 slots are WGMMA's M rows (one warpgroup), so this body serves cubes of
+33 to 64 tokens (T = 64 slots, e.g. 4x4x4; `supports`); the op keeps the others on Triton.
+Head h of a slot row is the lane slice [h*D, (h+1)*D) of the shared layout (`tiles`): the
+kernels see [B, C*T, H, d] views of it (a reshape, free) and TMA one head's [T, d] tile. D is
+WGMMA's contraction axis for q k^T, so it is padded with zeros to d, a multiple of 16, in
+HBM only when D is not one already (D = 24: d = 32).
+
+Kernels, on the Triton kernels' decomposition (`triton.py`), grids (cube or summary block,
+head, batch entry):
+  forward   one online softmax per query cube over its neighbour cubes' tokens, then the
+            summary blocks [S, d] with their far biases (`tiles.far_bias_of`);
+  dq        the same two streams, accumulating dq = sum ds K / sqrt(D);
+  dK, dV    per key cube over the query cubes that have it as a neighbour (the relation is
+            symmetric), with transposed tiles: s^T = K q^T [T, T];
+  summaries per block of S summaries over every query cube: dKbar, dVbar and (with a far
+            offset) the per-summary sums of ds, d beta's parts.
+Each loop step loads its tiles (one barrier each) and waits for them; WGMMA reads A and B
+from shared memory (the scores' probabilities and gradients are written there in the input
+dtype), which is what the Mosaic GPU interpreter runs. Softmax statistics are vectors in
+WGMMA's row (`_ROWS`) or column (`_COLS`) layout, broadcast over the tile.
+
+float32 runs here in the interpreter only (the dispatcher compiles 16-bit inputs only:
+`dispatch.mosaic_gpu_dtype_ok`); TF32 WGMMA would want K-major B tiles the 16-bit path
+does not need.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxops.pack3d import MASK
+from pallas_kernels.dispatch import mosaic_gpu_module
+from pallas_kernels.flash_ffn.mosaic_gpu import (_interpret, _params, _products,
+                                                 _store_operands, _transforms)
+from pallas_kernels.pack3d_attention import tiles
+from pallas_kernels.pack3d_attention.tiles import Tables, TilePlan
+
+_F32 = jnp.float32
+SLOTS = 64  # slots per cube this body serves: one warpgroup's WGMMA M
+
+
+def supports(slots_per_cube: int) -> bool:
+  return slots_per_cube == SLOTS
+
+
+def _layouts(plgpu):
+  """(rows, cols): layouts of a per-row [M] and a per-column [N] vector of an [M, N]
+  WGMMA tile."""
+  return plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+
+def _bcast(x, shape, dim: int):
+  """A vector along `dim` of `shape`, broadcast over the other dim."""
+  return lax.broadcast_in_dim(x, shape, [dim])
+
+
+def _heads(plan: TilePlan, x):
+  """[B, R, H*D] -> [B, R, H, d] (D zero-padded to d)."""
+  x = x.reshape(x.shape[0], x.shape[1], plan.heads, plan.head_dim)
+  if plan.d == plan.head_dim:
+    return x
+  return jnp.pad(x, ((0, 0),) * 3 + ((0, plan.d - plan.head_dim),))
+
+
+def _lanes(plan: TilePlan, x):
+  """Inverse of `_heads`: [B, R, H, d] -> [B, R, H*D]."""
+  return x[..., :plan.head_dim].reshape(x.shape[0], x.shape[1], -1)
+
+
+def _tile(ref, b, index, size, h):
+  """Head h's [size, d] tile of rows [index*size, (index+1)*size) of batch entry b."""
+  return ref.at[b, pl.ds(index * size, size), h]
+
+
+def _load(plgpu, copies, bar):
+  """Copies (gmem view, smem buffer) pairs in, each on its own barrier, and waits."""
+  for j, (src, dst) in enumerate(copies):
+    plgpu.copy_gmem_to_smem(src, dst, bar.at[j])
+  for j in range(len(copies)):
+    plgpu.barrier_wait(bar.at[j])
+
+
+def _query_key(cols_ref, b, a):
+  """(field, cz, cy, cx) of query cube a, scalars read from gmem."""
+  return tuple(cols_ref[b, a, j] for j in range(4))
+
+
+def _far_bias(plgpu, plan: TilePlan, rows_s, key, offset, layout):
+  """Far biases [S] of the summaries whose (field, cz, cy, cx, count) rows are in rows_s
+  [8, S], for the query cube `key`, as a vector in `layout`."""
+  rows = [plgpu.load(rows_s.at[i], layout=layout) for i in range(5)]
+  return tiles.far_bias_of(key, rows, plan.radius, plan.block_bias, offset)
+
+
+def _offset(off_ref, h):
+  return None if off_ref is None else off_ref[h]
+
+
+def _online_step(plgpu, plan: TilePlan, carry, q_s, k_s, v_s, p_s, bias):
+  """One key tile of the online softmax (`tiles.softmax_step`): carry (acc [T, d], m [T],
+  l [T]) -> updated carry; bias [N] per key."""
+  acc, m, l = carry
+  (s,) = _products(plgpu, p_s.shape, [(q_s, k_s.transpose((1, 0)))])
+  s = s * plan.scale + _bcast(bias, s.shape, 1)
+  m_new = jnp.maximum(m, jnp.max(s, axis=1))
+  alpha = jnp.exp(m - m_new)
+  p = jnp.exp(s - _bcast(m_new, s.shape, 0))
+  l = alpha * l + jnp.sum(p, axis=1)
+  _store_operands(plgpu, [(p_s, p)])
+  (pv,) = _products(plgpu, acc.shape, [(p_s, v_s)])
+  return acc * _bcast(alpha, acc.shape, 0) + pv, m_new, l
+
+
+def _zeros(plgpu, shape, layout=None):
+  return plgpu.layout_cast(jnp.zeros(shape, _F32), layout or plgpu.Layout.WGMMA)
+
+
+def _call(plgpu, kernel, plan: TilePlan, grid, out_type, scratch, interpret, name, *args):
+  """plgpu.kernel over grid (cube or summary block, head, batch entry); a None operand (no
+  far offset) reaches the kernel as a None ref."""
+  present = [x is not None for x in args]
+
+  def body(*refs):
+    refs, it = list(refs), iter(refs[:sum(present)])
+    ins = [next(it) if p else None for p in present]
+    return kernel(*ins, *refs[sum(present):])
+
+  return plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("a", "h", "b"),
+      compiler_params=_params(plgpu), interpret=_interpret(plgpu, interpret), kernel_name=name,
+  )(*(x for x in args if x is not None))
+
+
+def _grid_ids():
+  return tuple(lax.axis_index(n) for n in ("a", "h", "b"))
+
+
+def _operands(plan: TilePlan, offset, tables: Tables, *xs):
+  """Token and summary operands as [B, R, H, d] views; the tables as the kernels read them:
+  key_bias [B, C, T], offset [H] or None."""
+  key_bias = tables.key_bias.reshape(plan.batch, plan.cubes, plan.t)
+  offset = None if offset is None else offset.reshape(plan.heads)
+  return [_heads(plan, x) for x in xs], key_bias, offset
+
+
+def forward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables):
+  """o [B, C*T, H*D] and lse [B, C, H, T] from the shared layout (`tiles`)."""
+  del blocks
+  plgpu = mosaic_gpu_module()
+  t, s, d, dtype = plan.t, plan.s_block, plan.d, q.dtype
+  (q, k, v, kbar, vbar), key_bias, offset = _operands(plan, offset, tables, q, k, v, kbar, vbar)
+  tf = _transforms(plgpu, dtype, d, t, s)
+  rows_l, cols_l = _layouts(plgpu)
+
+  def kernel(nbr_ref, nnb_ref, q_ref, k_ref, v_ref, kb_ref, kbar_ref, vbar_ref, rows_ref,
+             cols_ref, off_ref, o_ref, lse_ref, q_s, k_s, v_s, kb_s, kbar_s, vbar_s, rows_s,
+             p_s, pf_s, lse_s, bar):
+    a, h, b = _grid_ids()
+    _load(plgpu, [(_tile(q_ref, b, a, t, h), q_s)], bar)
+
+    def local(j, carry):
+      c = nbr_ref[b, a, j]
+      _load(plgpu, [(_tile(k_ref, b, c, t, h), k_s), (_tile(v_ref, b, c, t, h), v_s),
+                    (kb_ref.at[b, c], kb_s)], bar)
+      bias = plgpu.load(kb_s, layout=cols_l)
+      return _online_step(plgpu, plan, carry, q_s, k_s, v_s, p_s, bias)
+
+    key, beta = _query_key(cols_ref, b, a), _offset(off_ref, h)
+
+    def far(i, carry):
+      _load(plgpu, [(_tile(kbar_ref, b, i, s, h), kbar_s), (_tile(vbar_ref, b, i, s, h), vbar_s),
+                    (rows_ref.at[b, :, pl.ds(i * s, s)], rows_s)], bar)
+      bias = _far_bias(plgpu, plan, rows_s, key, beta, cols_l)
+      return _online_step(plgpu, plan, carry, q_s, kbar_s, vbar_s, pf_s, bias)
+
+    init = (_zeros(plgpu, (t, d)), plgpu.layout_cast(jnp.full((t,), MASK, _F32), rows_l),
+            _zeros(plgpu, (t,), rows_l))
+    carry = lax.fori_loop(0, nnb_ref[b, a], local, init)
+    acc, m, l = lax.fori_loop(0, plan.summary_blocks, far, carry)
+    q_s[...] = (acc / _bcast(l, acc.shape, 0)).astype(dtype)  # every WGMMA reading q is done
+    lse_s[...] = m + jnp.log(l)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_s, _tile(o_ref, b, a, t, h))
+    plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, a, h])
+    plgpu.wait_smem_to_gmem(0)
+
+  tile = lambda rows: plgpu.SMEM((rows, d), dtype, transforms=tf)
+  scratch = [tile(t), tile(t), tile(t), plgpu.SMEM((t,), _F32), tile(s), tile(s),
+             plgpu.SMEM((8, s), _F32), plgpu.SMEM((t, t), dtype, transforms=tf),
+             plgpu.SMEM((t, s), dtype, transforms=tf), plgpu.SMEM((t,), _F32),
+             plgpu.Barrier(num_barriers=3)]
+  out_type = [jax.ShapeDtypeStruct(q.shape, dtype),
+              jax.ShapeDtypeStruct((plan.batch, plan.cubes, plan.heads, t), _F32)]
+  o, lse = _call(plgpu, kernel, plan, (plan.cubes, plan.heads, plan.batch), out_type, scratch,
+                 interpret, "pack3d_fwd", tables.neighbours, tables.num_neighbours, q, k, v,
+                 key_bias, kbar, vbar, tables.cube_rows, tables.cube_cols, offset)
+  return _lanes(plan, o), lse
+
+
+def backward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables,
+             do, lse, delta):
+  """dq, dk, dv, dkbar, dvbar in the shared layout and, with a far offset, its per-summary
+  parts [B, H, Cs]."""
+  del blocks
+  plgpu = mosaic_gpu_module()
+  xs, key_bias, offset = _operands(plan, offset, tables, q, k, v, kbar, vbar, do)
+  dq = _dq(plgpu, plan, interpret, xs, key_bias, offset, tables, lse, delta)
+  dk, dv = _dkv(plgpu, plan, interpret, xs, key_bias, tables, lse, delta)
+  summaries = _dsummaries(plgpu, plan, interpret, xs, offset, tables, lse, delta)
+  return (*(_lanes(plan, g) for g in (dq, dk, dv, *summaries[:2])), *summaries[2:])
+
+
+def _dq(plgpu, plan: TilePlan, interpret, xs, key_bias, offset, tables: Tables, lse, delta):
+  """dq [B, C*T, H, d]: per query cube over its two key streams."""
+  q, k, v, kbar, vbar, do = xs
+  t, s, d, dtype = plan.t, plan.s_block, plan.d, q.dtype
+  tf = _transforms(plgpu, dtype, d, t, s)
+  rows_l, cols_l = _layouts(plgpu)
+
+  def kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kb_ref,
+             kbar_ref, vbar_ref, rows_ref, cols_ref, off_ref, dq_ref, q_s, do_s, lse_s,
+             delta_s, k_s, v_s, kb_s, kbar_s, vbar_s, rows_s, ds_s, dsf_s, bar):
+    a, h, b = _grid_ids()
+    _load(plgpu, [(_tile(q_ref, b, a, t, h), q_s), (_tile(do_ref, b, a, t, h), do_s),
+                  (lse_ref.at[b, a, h], lse_s), (delta_ref.at[b, a, h], delta_s)], bar)
+    lse_r, delta_r = (plgpu.load(x, layout=rows_l) for x in (lse_s, delta_s))
+
+    def step(dq, k_tile, v_tile, ds_buf, bias):
+      """dq + ds K for one key tile (`tiles.dq_step`, the scale applied at the end)."""
+      shape = ds_buf.shape
+      sc, dpv = _products(plgpu, shape, [(q_s, k_tile.transpose((1, 0))),
+                                         (do_s, v_tile.transpose((1, 0)))])
+      p = jnp.exp(sc * plan.scale + _bcast(bias, shape, 1) - _bcast(lse_r, shape, 0))
+      _store_operands(plgpu, [(ds_buf, p * (dpv - _bcast(delta_r, shape, 0)))])
+      return dq + _products(plgpu, dq.shape, [(ds_buf, k_tile)])[0]
+
+    def local(j, dq):
+      c = nbr_ref[b, a, j]
+      _load(plgpu, [(_tile(k_ref, b, c, t, h), k_s), (_tile(v_ref, b, c, t, h), v_s),
+                    (kb_ref.at[b, c], kb_s)], bar)
+      return step(dq, k_s, v_s, ds_s, plgpu.load(kb_s, layout=cols_l))
+
+    key, beta = _query_key(cols_ref, b, a), _offset(off_ref, h)
+
+    def far(i, dq):
+      _load(plgpu, [(_tile(kbar_ref, b, i, s, h), kbar_s), (_tile(vbar_ref, b, i, s, h), vbar_s),
+                    (rows_ref.at[b, :, pl.ds(i * s, s)], rows_s)], bar)
+      return step(dq, kbar_s, vbar_s, dsf_s, _far_bias(plgpu, plan, rows_s, key, beta, cols_l))
+
+    dq = lax.fori_loop(0, nnb_ref[b, a], local, _zeros(plgpu, (t, d)))
+    dq = lax.fori_loop(0, plan.summary_blocks, far, dq)
+    q_s[...] = (dq * plan.scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_s, _tile(dq_ref, b, a, t, h))
+    plgpu.wait_smem_to_gmem(0)
+
+  tile = lambda rows: plgpu.SMEM((rows, d), dtype, transforms=tf)
+  vec = lambda n: plgpu.SMEM((n,), _F32)
+  scratch = [tile(t), tile(t), vec(t), vec(t), tile(t), tile(t), vec(t), tile(s), tile(s),
+             plgpu.SMEM((8, s), _F32), plgpu.SMEM((t, t), dtype, transforms=tf),
+             plgpu.SMEM((t, s), dtype, transforms=tf), plgpu.Barrier(num_barriers=4)]
+  return _call(plgpu, kernel, plan, (plan.cubes, plan.heads, plan.batch),
+               jax.ShapeDtypeStruct(q.shape, dtype), scratch, interpret, "pack3d_bwd_dq",
+               tables.neighbours, tables.num_neighbours, q, do, lse, delta, k, v, key_bias,
+               kbar, vbar, tables.cube_rows, tables.cube_cols, offset)
+
+
+def _transposed_grads(plgpu, plan: TilePlan, carry, k_s, v_s, q_s, do_s, p_s, ds_s, bias,
+                      lse_c, delta_c):
+  """(dK, dV) or (dK, dV, ds column sums) + one query tile's part, from transposed tiles:
+  s^T = K q^T [M, T] with bias [M] per key row; lse, delta [T] per column
+  (`tiles.dkv_step`, `tiles.dsummary_step`; dK's scale applied at the end)."""
+  shape = p_s.shape
+  st, dpt = _products(plgpu, shape, [(k_s, q_s.transpose((1, 0))),
+                                     (v_s, do_s.transpose((1, 0)))])
+  p = jnp.exp(st * plan.scale + _bcast(bias, shape, 0) - _bcast(lse_c, shape, 1))
+  ds = p * (dpt - _bcast(delta_c, shape, 1))
+  _store_operands(plgpu, [(p_s, p), (ds_s, ds)])
+  dk, dv = _products(plgpu, carry[0].shape, [(ds_s, q_s), (p_s, do_s)])
+  return (carry[0] + dk, carry[1] + dv) + tuple(c + jnp.sum(ds, axis=1) for c in carry[2:])
+
+
+def _query_tiles(plgpu, refs, bufs, b, a, h, t, bar, cols_l):
+  """Loads query cube a's q, do [T, d], lse, delta [T]; returns lse, delta as column
+  vectors."""
+  q_ref, do_ref, lse_ref, delta_ref = refs
+  q_s, do_s, lse_s, delta_s = bufs
+  _load(plgpu, [(_tile(q_ref, b, a, t, h), q_s), (_tile(do_ref, b, a, t, h), do_s),
+                (lse_ref.at[b, a, h], lse_s), (delta_ref.at[b, a, h], delta_s)], bar)
+  return plgpu.load(lse_s, layout=cols_l), plgpu.load(delta_s, layout=cols_l)
+
+
+def _store_grads(plgpu, pairs):
+  """Writes (value, smem buffer, gmem view) triples out."""
+  for value, buf, _ in pairs:
+    buf[...] = value.astype(buf.dtype)
+  plgpu.commit_smem()
+  for _, buf, dst in pairs:
+    plgpu.copy_smem_to_gmem(buf, dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _dkv(plgpu, plan: TilePlan, interpret, xs, key_bias, tables: Tables, lse, delta):
+  """dK, dV [B, C*T, H, d]: per key cube over the query cubes that have it as a
+  neighbour."""
+  q, k, v, _, _, do = xs
+  t, d, dtype = plan.t, plan.d, q.dtype
+  tf = _transforms(plgpu, dtype, d, t)
+  rows_l, cols_l = _layouts(plgpu)
+
+  def kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kb_ref,
+             dk_ref, dv_ref, k_s, v_s, kb_s, q_s, do_s, lse_s, delta_s, p_s, ds_s, bar):
+    c, h, b = _grid_ids()
+    _load(plgpu, [(_tile(k_ref, b, c, t, h), k_s), (_tile(v_ref, b, c, t, h), v_s),
+                  (kb_ref.at[b, c], kb_s)], bar)
+    bias = plgpu.load(kb_s, layout=rows_l)
+
+    def step(j, carry):
+      lse_c, delta_c = _query_tiles(plgpu, (q_ref, do_ref, lse_ref, delta_ref),
+                                    (q_s, do_s, lse_s, delta_s), b, nbr_ref[b, c, j], h, t,
+                                    bar, cols_l)
+      return _transposed_grads(plgpu, plan, carry, k_s, v_s, q_s, do_s, p_s, ds_s, bias,
+                               lse_c, delta_c)
+
+    dk, dv = lax.fori_loop(0, nnb_ref[b, c], step, (_zeros(plgpu, (t, d)),) * 2)
+    _store_grads(plgpu, [(dk * plan.scale, k_s, _tile(dk_ref, b, c, t, h)),
+                         (dv, v_s, _tile(dv_ref, b, c, t, h))])
+
+  tile = lambda: plgpu.SMEM((t, d), dtype, transforms=tf)
+  square = lambda: plgpu.SMEM((t, t), dtype, transforms=tf)
+  vec = lambda: plgpu.SMEM((t,), _F32)
+  scratch = [tile(), tile(), vec(), tile(), tile(), vec(), vec(), square(), square(),
+             plgpu.Barrier(num_barriers=4)]
+  out = jax.ShapeDtypeStruct(k.shape, dtype)
+  return _call(plgpu, kernel, plan, (plan.cubes, plan.heads, plan.batch), [out, out], scratch,
+               interpret, "pack3d_bwd_dkv", tables.neighbours, tables.num_neighbours, q, do,
+               lse, delta, k, v, key_bias)
+
+
+def _dsummaries(plgpu, plan: TilePlan, interpret, xs, offset, tables: Tables, lse, delta):
+  """dKbar, dVbar [B, Cs, H, d] and, with a far offset, d beta's per-summary parts
+  [B, H, Cs]: per block of S summaries over every query cube."""
+  q, _, _, kbar, vbar, do = xs
+  t, s, d, dtype = plan.t, plan.s_block, plan.d, q.dtype
+  tf = _transforms(plgpu, dtype, d, t, s)
+  rows_l, cols_l = _layouts(plgpu)
+  with_offset = offset is not None
+
+  def kernel(q_ref, do_ref, lse_ref, delta_ref, kbar_ref, vbar_ref, rows_ref, cols_ref,
+             off_ref, dkbar_ref, dvbar_ref, *rest):
+    doff_ref, rest = (rest[0], rest[1:]) if with_offset else (None, rest)
+    kbar_s, vbar_s, rows_s, q_s, do_s, lse_s, delta_s, p_s, ds_s, bar, *doff_s = rest
+    i, h, b = _grid_ids()
+    _load(plgpu, [(_tile(kbar_ref, b, i, s, h), kbar_s), (_tile(vbar_ref, b, i, s, h), vbar_s),
+                  (rows_ref.at[b, :, pl.ds(i * s, s)], rows_s)], bar)
+    beta = _offset(off_ref, h)
+
+    def step(a, carry):
+      lse_c, delta_c = _query_tiles(plgpu, (q_ref, do_ref, lse_ref, delta_ref),
+                                    (q_s, do_s, lse_s, delta_s), b, a, h, t, bar, cols_l)
+      bias = _far_bias(plgpu, plan, rows_s, _query_key(cols_ref, b, a), beta, rows_l)
+      return _transposed_grads(plgpu, plan, carry, kbar_s, vbar_s, q_s, do_s, p_s, ds_s,
+                               bias, lse_c, delta_c)
+
+    init = (_zeros(plgpu, (s, d)),) * 2 + ((_zeros(plgpu, (s,), rows_l),) if with_offset else ())
+    sums = lax.fori_loop(0, plan.cubes, step, init)
+    out = [(sums[0] * plan.scale, kbar_s, _tile(dkbar_ref, b, i, s, h)),
+           (sums[1], vbar_s, _tile(dvbar_ref, b, i, s, h))]
+    if with_offset:
+      out.append((sums[2], doff_s[0], doff_ref.at[b, h, pl.ds(i * s, s)]))
+    _store_grads(plgpu, out)
+
+  tile = lambda rows: plgpu.SMEM((rows, d), dtype, transforms=tf)
+  vec = lambda n: plgpu.SMEM((n,), _F32)
+  scratch = [tile(s), tile(s), plgpu.SMEM((8, s), _F32), tile(t), tile(t), vec(t), vec(t),
+             plgpu.SMEM((s, t), dtype, transforms=tf), plgpu.SMEM((s, t), dtype, transforms=tf),
+             plgpu.Barrier(num_barriers=4)] + ([vec(s)] if with_offset else [])
+  out_type = [jax.ShapeDtypeStruct(kbar.shape, dtype)] * 2
+  if with_offset:
+    out_type.append(jax.ShapeDtypeStruct((plan.batch, plan.heads, plan.c_s), _F32))
+  return _call(plgpu, kernel, plan, (plan.summary_blocks, plan.heads, plan.batch), out_type,
+               scratch, interpret, "pack3d_bwd_dsummary", q, do, lse, delta, kbar, vbar,
+               tables.cube_rows, tables.cube_cols, offset)

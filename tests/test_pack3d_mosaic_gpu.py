@@ -1,0 +1,130 @@
+"""Pack3D attention's Mosaic GPU body (Hopper) through its interpreter on CPU, races checked:
+forward and gradients against the independent float64 loop of `tests/independent.py`, and
+which body `backend=None` picks per chip, dtype and cube size.
+
+The body needs cubes of 33 to 64 tokens (T = 64 slots: WGMMA's M), so this file has its own
+layout with (4, 3, 4) cubes: 48 tokens, 16 slots of every cube always empty. Inputs are
+random (never zeros), field sizes odd; the reference sees q and k as given (already rotated,
+the op's contract), in bf16 the bf16-rounded inputs. Gradients: directional derivatives
+(`tests/independent_checks.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import pack3d_attention as pack_kernel
+from tests import independent as ind
+from tests import kernel_checks
+from tests.independent_checks import cast, check, check_directional, rounded
+from tests.test_flash_ffn import mosaic_gpu_interpreter, needs_mosaic_gpu
+from tests.test_pack3d import packed
+
+pytestmark = needs_mosaic_gpu
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+BLOCK = (4, 3, 4)
+H = 2
+# Entry 0: one (13, 3, 5) field, 4 x 1 x 2 cubes (cubes 2 and 3 along z are far from 0);
+# entry 1: a (9, 5, 3) field (far cubes along z) and a (5, 4, 3) one. N = 195, shuffled.
+COORDS, FIELDS = packed(([(13, 3, 5)], [(9, 5, 3), (5, 4, 3)]))
+OFFSET = np.array([0.6, -0.9])
+CASES = {"default": {}, "radius0": {"radius_blocks": 0}, "radius2": {"radius_blocks": 2},
+         "no_bias": {"block_bias": False}}
+# Measured over the cases below: f32 forward <= 5.2e-7, gradients <= 6.6e-7; bf16 forward
+# <= 2.6e-3 (the bf16 output's own rounding is up to 2e-3), gradients <= 3.9e-3 (the
+# probabilities and score gradients enter WGMMA rounded to bf16).
+TOL = {F32: 1e-5, BF16: 6e-3}
+GRAD_TOL = {F32: 1e-5, BF16: 1e-2}
+
+
+@functools.lru_cache(maxsize=None)
+def inputs(d: int):
+  """q, k, v [2, N, H, D], a cotangent W and one direction per input (and the offset)."""
+  rng = np.random.default_rng(d)
+  q, k, v, w, *dirs = (rng.standard_normal((2, COORDS.shape[1], H, d)) for _ in range(7))
+  return (q, k, v), w, (*dirs, rng.standard_normal(H))
+
+
+def reference(q, k, v, beta, case):
+  return ind.pack3d_attention(q, k, v, COORDS, FIELDS, block_shape=BLOCK, far_offset=beta,
+                              **CASES[case])
+
+
+def run(dtype, d: int, case: str, offset: bool):
+  """The op's output and its VJP (cotangent W) in q, k, v (and far_offset)."""
+  (q, k, v), w, _ = inputs(d)
+  args = tuple(cast(a, dtype) for a in (q, k, v)) + ((cast(OFFSET, F32),) if offset else ())
+
+  def fn(q, k, v, *beta):
+    return pack_kernel.pack3d_attention(
+        q, k, v, COORDS, FIELDS, block_shape=BLOCK, far_offset=beta[0] if beta else None,
+        backend="mosaic_gpu", interpret=mosaic_gpu_interpreter(), **CASES[case])
+
+  out, vjp = jax.vjp(fn, *args)
+  return out, vjp(cast(w, dtype))
+
+
+def check_case(dtype, d: int, case: str, offset: bool):
+  (q, k, v), w, dirs = inputs(d)
+  beta = OFFSET if offset else None
+  if dtype == BF16:
+    q, k, v = (rounded(a, dtype) for a in (q, k, v))
+  w = rounded(w, dtype)
+  out, grads = run(dtype, d, case, offset)
+  assert out.dtype == dtype
+  check(out, reference(q, k, v, beta, case), rtol=TOL[dtype], name=f"{case} out")
+  primals = (q, k, v) + ((beta,) if offset else ())
+  loss = lambda *a: float(np.sum(w * reference(*a[:3], a[3] if offset else None, case)))
+  derivs = [ind.directional_derivative(loss, primals, i, dirs[i]) for i in range(len(primals))]
+  names = ["q", "k", "v", "far_offset"][:len(primals)]
+  check_directional(grads, derivs, dirs[:len(primals)], rtol=GRAD_TOL[dtype], name=names)
+
+
+def test_forward_and_grads_far_offset_f32():
+  """D = 24 (padded to 32 for WGMMA), a far offset: o, dq, dk, dv and d far_offset."""
+  check_case(F32, 24, "default", True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("d, case, offset", [
+    (24, "default", False), (48, "default", True), (32, "radius0", False),
+    (24, "radius2", True), (48, "no_bias", False)])
+def test_forward_and_grads(dtype, d, case, offset):
+  check_case(dtype, d, case, offset)
+
+
+def _custom_calls(device_kind: str, dtype, block_shape=BLOCK):
+  """(Mosaic GPU, Triton) custom calls in the gradient of `backend=None` lowered for a GPU."""
+  spec = jax.ShapeDtypeStruct((2, COORDS.shape[1], H, 32), dtype)
+  op = lambda q, k, v: pack_kernel.pack3d_attention(q, k, v, COORDS, FIELDS,
+                                                    block_shape=block_shape)
+  grad = jax.grad(functools.partial(kernel_checks.sin_loss, op), argnums=(0, 1, 2))
+  text = kernel_checks.export_mlir(grad, "cuda", spec, spec, spec, device_kind=device_kind)
+  return tuple(text.count(kernel_checks.BACKEND_CALL[b]) for b in ("mosaic_gpu", "triton"))
+
+
+@pytest.mark.parametrize("device_kind, dtype, block_shape, calls", [
+    (kernel_checks.HOPPER_DEVICE_KIND, BF16, BLOCK, (4, 0)),       # forward, dq, dK/dV, summaries
+    (kernel_checks.CUDA_DEVICE_KIND, BF16, BLOCK, (0, 4)),         # Ampere: Triton
+    (kernel_checks.HOPPER_DEVICE_KIND, F32, BLOCK, (0, 4)),        # float32: Triton
+    (kernel_checks.HOPPER_DEVICE_KIND, BF16, (2, 2, 2), (0, 4)),   # 8-token cubes: Triton
+], ids=["h100", "a100", "h100-f32", "h100-small-cubes"])
+def test_auto_picks_mosaic_gpu_on_hopper_for_bf16_and_64_slot_cubes(device_kind, dtype,
+                                                                  block_shape, calls):
+  assert _custom_calls(device_kind, dtype, block_shape) == calls
+
+
+def test_forced_mosaic_gpu_refuses_cubes_it_cannot_tile():
+  q = jnp.ones((1, 8, 1, 16), BF16)
+  coords = jnp.asarray(np.stack(np.meshgrid(*[np.arange(2)] * 3, indexing="ij"), -1)
+                       .reshape(1, 8, 3), jnp.int32)
+  with pytest.raises(ValueError, match=r"backend='mosaic_gpu' needs `block_shape` of 33 to 64"):
+    pack_kernel.pack3d_attention(q, q, q, coords, jnp.zeros((1, 8), jnp.int32),
+                                 block_shape=(2, 2, 2), backend="mosaic_gpu")
