@@ -230,7 +230,8 @@ def _attend_chunk(q, k_cubes, v_cubes, key_valid, kbar, vbar, far_bias, neighbou
 def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                      radius_blocks: int = 1, block_bias: bool = True, gates=None,
                      summary_rope=None, far_offset=None, max_cubes: int | None = None,
-                     chunk: int = 16, levels: int = 1, level_radius=None):
+                     chunk: int = 16, levels: int = 1, level_radius=None,
+                     max_top_cubes: int | None = None):
   """Fast XLA path of Pack3D attention; same arguments and result as the reference.
 
   Args (beyond the reference's):
@@ -244,6 +245,12 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
       `gates` and `summary_rope` are single-level options.
     level_radius: the radii r_2..r_L in cubes of their own level (an int, levels - 1 ints,
       or None: radius_blocks); each r_{k+1} >= ceil(r_k / 2).
+    max_top_cubes: slots of the top level's cubes with traced coords (concrete ones give the
+      exact count). None: max_cubes, which fits any layout but makes every query cube attend
+      to max_cubes top-level slots, O(N max_cubes / T) like the single level. The top
+      level's box volume (one 64 x 128 x 128 field, 4^3 cubes, levels = 3: 4 x 8 x 8 = 256
+      plus a margin for boxes that straddle) makes the far field near-linear; an entry that
+      needs more gets NaN outputs, as for max_cubes.
   Returns:
     o [B, N, H, D] in q.dtype (matmuls in the input dtype, float32 accumulation).
   """
@@ -255,7 +262,10 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     beta = levels_lib.offsets_per_level(far_offset, levels, q.shape[2])
     far_offset = None if beta is None else beta[0]     # the [H] form, for the input checks
   check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks, gates, far_offset)
-  checks.ints("pack3d_attention", {"chunk": chunk})
+  checks.ints("pack3d_attention", {"chunk": chunk, **checks.given(max_top_cubes=max_top_cubes)})
+  if levels == 1 and max_top_cubes is not None:
+    raise ValueError("pack3d_attention: `max_top_cubes` is a multi-level option (levels >= 2); "
+                     f"got max_top_cubes={max_top_cubes} with levels=1")
   offset = None if far_offset is None else jnp.asarray(far_offset, _F32)
   layout = cube_layout(coords, field_ids, block_shape=block_shape, radius_blocks=radius_blocks,
                        max_cubes=max_cubes)
@@ -276,7 +286,8 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     return o.reshape(-1, *o.shape[2:])[:cubes]
 
   if levels > 1:
-    return _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias, beta)
+    return _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias, beta,
+                       max_top_cubes)
   count = layout.count
   bias = jnp.where(count > 0, jnp.log(jnp.maximum(count, 1.0)) if block_bias else 0.0, MASK)
   o_c = jax.vmap(one_entry)(q_c, k_c, v_c, layout.key_valid(), kbar, vbar, layout.keys, bias,
@@ -284,13 +295,14 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   return poison_overflow(layout, layout.from_cubes(o_c)).astype(q.dtype)
 
 
-def _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias, beta):
+def _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias, beta,
+                max_top_cubes):
   """The XLA path with levels >= 2: the single level's local part, then for each level k < L
   the summaries of Far_k read from the 8 (2 r_{k+1} + 1)^3 children of the query cube's
   level-(k+1) neighbourhood (`pack3d_levels.candidates`), and the top level's summaries of
   every top-level cube beyond r_L; one softmax over all of them."""
   levels, cubes = len(radii), layout.num_cubes
-  top = levels_lib.top_slots(layout.keys, layout.count, levels)
+  top = levels_lib.top_slots(layout.keys, layout.count, levels, max_top_cubes)
   log_n = lambda n: jnp.log(jnp.maximum(n, 1.0)) if block_bias else jnp.zeros_like(n)
 
   def one_entry(q_c, k_c, v_c, key_valid, kbar, vbar, keys, count, neighbours, num_nb):
@@ -315,14 +327,16 @@ def _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias,
       top_part = (kbar_t, vbar_t, jnp.where(far_top, log_n(count_t)[None], MASK),
                   None if beta is None else beta[-1])
       return _attend_levels(q_c[ids], k_c, v_c, key_valid, neighbours[ids], num_nb[ids], near,
-                            top_part)
+                            top_part).astype(q_c.dtype)   # a permutation from here: cast now
 
     o = jax.lax.map(jax.checkpoint(step), starts)
     return o.reshape(-1, *o.shape[2:])[:cubes]
 
   o_c = jax.vmap(one_entry)(q_c, k_c, v_c, layout.key_valid(), kbar, vbar, layout.keys,
                             layout.count, layout.neighbours, layout.num_neighbours)
-  return poison_overflow(layout, layout.from_cubes(o_c)).astype(q.dtype)
+  o = poison_overflow(layout, layout.from_cubes(o_c))
+  over = levels_lib.top_overflow(layout.keys, layout.count, levels, top)
+  return jnp.where(over[:, None, None, None], jnp.nan, o).astype(q.dtype)
 
 
 def _attend_levels(q, k_cubes, v_cubes, key_valid, neighbours, num_neighbours, near, top):

@@ -146,14 +146,26 @@ def level_structure(keys, count, kbar, vbar, levels: int):
   return out
 
 
-def top_slots(keys, count, levels: int) -> int:
+def top_slots(keys, count, levels: int, bound: int | None = None) -> int:
   """Slots the top level needs over the batch (keys int [B, C, 4], count [B, C]): its boxes'
-  total volume when the layout is concrete (known at trace time), else the bound C."""
+  total volume when the layout is concrete (known at trace time), else `bound` (default C,
+  which fits any layout; `top_overflow` flags an entry that needs more)."""
   if isinstance(keys, jax.core.Tracer) or isinstance(count, jax.core.Tracer):
-    return keys.shape[1]
+    return min(bound or keys.shape[1], keys.shape[1])
   with jax.ensure_compile_time_eval():  # inside a jit trace too
-    totals = jax.vmap(lambda k, c: jnp.sum(jnp.prod(_box(k, c, levels)[1], axis=-1)))(keys, count)
-    return max(1, int(jnp.max(totals)))
+    return max(1, int(jnp.max(jax.vmap(lambda k, c: _box_volume(k, c, levels))(keys, count))))
+
+
+def _box_volume(keys, count, level: int):
+  """Slots of one batch entry's level-`level` boxes (all fields)."""
+  return jnp.sum(jnp.prod(_box(keys, count, level)[1], axis=-1))
+
+
+def top_overflow(keys, count, levels: int, slots: int):
+  """bool [B]: the entry's top-level boxes need more than `slots` slots (traced coords with
+  too small a `max_top_cubes`: its cubes past the slots would be dropped, so the op makes its
+  output NaN, as for a level-1 overflow)."""
+  return jax.vmap(lambda k, c: _box_volume(k, c, levels) > slots)(keys, count)
 
 
 def top_mask(query_keys, keys, count, level: int, radius: int):

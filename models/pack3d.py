@@ -61,6 +61,9 @@ class Pack3DAttention(nnx.Module):
       coarser cubes (level k: 2^(k-1) block_shape per axis), level_radius the radii r_2..r_L
       (None: radius_blocks). XLA path only for now ("auto" picks it); one far offset per head
       shared by the levels.
+    max_top_cubes: with levels >= 2 and traced coords, the top level's cube slots (see
+      `jaxops.pack3d.pack3d_attention`; None: max_cubes, exact for any layout but quadratic
+      in the top level). Set it from your grids to keep the far field near-linear.
     dtype: compute dtype (params are cast to it); None uses the input's dtype.
   """
 
@@ -69,11 +72,13 @@ class Pack3DAttention(nnx.Module):
                interpret=None, max_len: int | None = None, block_bias: bool = True,
                merge: str = "joint", rotate_summaries: str = "before", rope_theta: float = 10000.0,
                spacing: Sequence[float] = (1.0, 1.0, 1.0), max_cubes: int | None = None,
-               far_offset: bool = False, levels: int = 1, level_radius=None, dtype=None,
+               far_offset: bool = False, levels: int = 1, level_radius=None,
+               max_top_cubes: int | None = None, dtype=None,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     owner = "Pack3DAttention"
     checks.ints(owner, dict(d_model=d_model, num_heads=num_heads,
-                            **checks.given(max_len=max_len, max_cubes=max_cubes)))
+                            **checks.given(max_len=max_len, max_cubes=max_cubes,
+                                           max_top_cubes=max_top_cubes)))
     checks.ints(owner, {"radius_blocks": radius_blocks}, minimum=0)
     checks.zyx(owner, "block_shape", block_shape)
     checks.multiple(owner, "`d_model`", d_model, num_heads, "`num_heads`")
@@ -107,7 +112,10 @@ class Pack3DAttention(nnx.Module):
                           block_bias=block_bias,
                           summary_rope=self.rope if rotate_summaries == "after" else None)
     if levels > 1:
-      self.op_kwargs.update(levels=levels, level_radius=level_radius)
+      self.op_kwargs.update(levels=levels, level_radius=level_radius, max_top_cubes=max_top_cubes)
+    elif max_top_cubes is not None:
+      raise ValueError(f"Pack3DAttention: `max_top_cubes` is a multi-level option (levels >= 2);"
+                       f" got max_top_cubes={max_top_cubes} with levels=1")
     self.max_cubes, self.dtype = max_cubes, dtype
     xavier = jax.nn.initializers.xavier_uniform()
     # logical axes (models.partitioning): w_qkv [d, 3, H d_h] holds q, k, v, head-major

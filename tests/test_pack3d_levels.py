@@ -126,6 +126,8 @@ def test_one_level_is_the_single_level_op():
     ({"levels": 2, "far_offset": np.zeros((3, H))}, r"`far_offset` has shape \(3, 2\)"),
     ({"levels": 2, "gates": np.zeros((1, N, H, 2))}, "single-level options"),
     ({"levels": 2, "summary_rope": {"theta": 100.0}}, "single-level options"),
+    ({"max_top_cubes": 4}, "`max_top_cubes` is a multi-level option"),
+    ({"levels": 2, "max_top_cubes": 0}, "max_top_cubes"),
 ])
 def test_bad_level_options_are_one_line_errors(options, match):
   args = [jnp.asarray(a, jnp.float32) for a in (Q, K, V)]
@@ -172,3 +174,22 @@ def test_traced_coordinates_give_the_same_result():
   # concrete coords inside a jitted function: the top level's slots known at trace time
   jitted = jax.jit(lambda q, k, v: op(q, k, v, COORDS, FIELDS))(*args)
   np.testing.assert_allclose(jitted, concrete, rtol=1e-6, atol=1e-6)
+
+
+def test_max_top_cubes_bounds_the_top_level_and_poisons_an_overflow():
+  """Traced coords with max_top_cubes = the top level's exact slot count give the concrete
+  result; one slot fewer would drop a top-level cube, so the entry's output is NaN (never a
+  silently wrong answer)."""
+  from jaxops import pack3d_levels
+  args = [jnp.asarray(a, jnp.float32) for a in (Q, K, V)]
+  op = lambda q, k, v, c, f, top: ops.pack3d_attention(
+      q, k, v, c, f, block_shape=BLOCK, levels=3, level_radius=(2, 1), max_cubes=80, chunk=3,
+      max_top_cubes=top)
+  layout = ops.cube_layout(COORDS, FIELDS, block_shape=BLOCK, radius_blocks=1)
+  exact = pack3d_levels.top_slots(layout.keys, layout.count, 3)
+  assert 1 < exact < 80
+  concrete = op(*args, COORDS, FIELDS, None)
+  traced = jax.jit(op, static_argnums=5)
+  np.testing.assert_allclose(traced(*args, COORDS, FIELDS, exact), concrete, rtol=1e-6,
+                             atol=1e-6)
+  assert bool(jnp.all(jnp.isnan(traced(*args, COORDS, FIELDS, exact - 1))))

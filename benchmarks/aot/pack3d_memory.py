@@ -4,7 +4,8 @@
 and every parameter, the upstream gradient an argument) at the segmentation width (d = 96,
 4 heads of 24, cubes of 4^3, radius 1), one field of N tokens (a z x y x x grid), traced
 coordinates, for the Pallas kernel (single level) and the XLA path with one and with
-`--levels` far-field levels. The last column is the unpadded bytes of the layer's
+`--levels` far-field levels (the top level's slots bounded by the grid's top-level box,
+`max_top_cubes`, as a user of traced coordinates would set it). The last column is the unpadded bytes of the layer's
 [N, d] activations that any implementation keeps (x, q, k, v, o and their gradients:
 10 N d elements), the scale the kernel's padded slot arrays are measured against.
 
@@ -44,9 +45,12 @@ def main(argv=None):
   dtype = jnp.dtype(args.dtype)
 
   def layer_temp(n, impl, levels):
-    cubes = math.prod(-(-g // b) for g, b in zip(GRIDS[n], BLOCK))
+    per_axis = [-(-g // b) for g, b in zip(GRIDS[n], BLOCK)]
+    top = {"max_top_cubes": math.prod(-(-c // 2 ** (levels - 1)) for c in per_axis)
+           } if levels > 1 else {}
     layer = Pack3DAttention(D_MODEL, HEADS, block_shape=BLOCK, impl=impl, levels=levels,
-                            max_cubes=cubes, dtype=dtype, rngs=nnx.Rngs(0))
+                            max_cubes=math.prod(per_axis), dtype=dtype, rngs=nnx.Rngs(0),
+                            **top)
     graphdef, params = nnx.split(layer)
 
     def step(params, x, coords, field_ids, dy):
