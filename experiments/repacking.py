@@ -105,7 +105,10 @@ def far_ablation(model, config, attention: dict, seed: int) -> dict | None:
   for a joint-merge arm); None for arms that are not joint."""
   if attention.get("merge", "joint") != "joint":
     return None
-  local = nnx.eval_shape(lambda: make_model(config, {**attention, "merge": "local"}, seed))
+  # the local branch alone has no far levels (and no parameters of theirs)
+  options = {k: v for k, v in attention.items()
+             if k not in ("levels", "level_radius", "max_top_cubes")}
+  local = nnx.eval_shape(lambda: make_model(config, {**options, "merge": "local"}, seed))
   nnx.update(local, nnx.state(model))
   return evaluate(local, config, seed)
 
