@@ -14,6 +14,7 @@ import pytest
 from jaxops import frac as ops
 from pallas_kernels import frac_scan as kernel
 from tests import kernel_checks
+from tests.test_flash_ffn import MOSAIC_GPU, mosaic_gpu_interpreter
 
 # L = 45 is not a multiple of the chunk (16); P, N, M are not powers of two.
 BT, L, H, P, N, M, CHUNK = 2, 45, 2, 12, 6, 3, 16
@@ -27,6 +28,9 @@ PATHS = {
     "mosaic": functools.partial(kernel.frac_scan, interpret=True, backend="mosaic", chunk=CHUNK),
     "triton": functools.partial(kernel.frac_scan, interpret=True, backend="triton", chunk=CHUNK),
 }
+if MOSAIC_GPU:  # its chunk is 64 tokens: here one chunk (tests/test_frac_mosaic_gpu.py: several)
+  PATHS["mosaic_gpu"] = functools.partial(kernel.frac_scan, interpret=mosaic_gpu_interpreter(),
+                                          backend="mosaic_gpu")
 
 
 def make_inputs(dtype=jnp.float32, shape=(BT, L, H, P, N, M), seed=0):
@@ -50,11 +54,12 @@ def compiled(path: str):
   return jax.jit(lambda *a: (op(*a), grad(*a)))
 
 
-# Every path in float32, the XLA path also in bf16 (the kernels' bf16 cases are in
-# tests/test_kernel_properties.py).
-@pytest.mark.parametrize("path, dtype", [(path, jnp.float32) for path in PATHS]
-                         + [("xla", jnp.bfloat16)],
-                         ids=lambda x: {jnp.float32: "f32", jnp.bfloat16: "bf16"}.get(x, x))
+# Every path in float32 (Mosaic GPU's default-run case is in tests/test_frac_mosaic_gpu.py),
+# the XLA path also in bf16 (the kernels' bf16 cases are in tests/test_kernel_properties.py).
+@pytest.mark.parametrize("path, dtype", [
+    pytest.param(path, jnp.float32, marks=[pytest.mark.slow] if path == "mosaic_gpu" else [])
+    for path in PATHS] + [("xla", jnp.bfloat16)],
+    ids=lambda x: {jnp.float32: "f32", jnp.bfloat16: "bf16"}.get(x, x))
 def test_matches_reference_forward_and_gradients(path, dtype):
   args = make_inputs(dtype)
   # The reference sees the same (possibly bf16-rounded) inputs, computed in float32.

@@ -125,7 +125,7 @@ OPS = {
     "frac_scan": KernelOp(
         inputs=frac_tests.make_inputs, compiled=frac_tests.compiled,
         names=("y", "state", *(f"d{n}" for n in frac_tests.ARGNAMES)),
-        backends=[backend("mosaic"), backend("triton")],
+        backends=[backend("mosaic"), backend("triton"), backend("mosaic_gpu", *MOSAIC_GPU)],
         kernels=(1, 2),  # forward; forward, backward
         lowerings=[pytest.param(_frac_scan_lowering)],
         races=[pytest.param(_frac_scan_races)]),

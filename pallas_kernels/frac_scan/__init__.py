@@ -12,11 +12,14 @@ chunked XLA path. Per group g = (batch element, head), chunks c = 0..C-1::
 State and decays are float32 whatever the input dtype; matmuls of bf16 inputs run in
 bf16 with float32 accumulation. Files: `blocks.py` (launch shape and tuned table),
 `mosaic.py` (TPU: grid (group, chunk), state in VMEM scratch), `triton.py` (GPU: grid
-(group, column block of P), a loop over chunks with the states in registers).
+(group, column block of P), a loop over chunks with the states in registers),
+`mosaic_gpu.py` (Hopper GPUs, jax >= 0.11.2: 64-token chunks as WGMMA's M, TMA pipelines,
+transposed states in registers; the backward in two kernels).
 
 `frac_scan` is the one public entry point; it dispatches with
-`jax.lax.platform_dependent`: Mosaic on TPU, Triton on GPU, the Mosaic kernel in
-interpret mode elsewhere (CPU).
+`jax.lax.platform_dependent`: Mosaic on TPU; on a CUDA GPU Mosaic GPU for 16-bit inputs on
+Hopper when the chunk is 64 (the default there) and Triton otherwise
+(`dispatch.gpu_backend`); the Mosaic kernel in interpret mode elsewhere (CPU).
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ import functools
 
 from jaxops.frac import check_scan_inputs, scan_vjp, zero_state
 from jaxops.frac_chunk import TilePlan
-from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
-from pallas_kernels.frac_scan import mosaic, triton
+from pallas_kernels.dispatch import Backend, KernelConfig, dispatch, gpu_backend
+from pallas_kernels.frac_scan import mosaic, mosaic_gpu, triton
 from pallas_kernels.frac_scan.blocks import MODE_ALIGN, TUNED, BlockSizes
 
 __all__ = ["BlockSizes", "TUNED", "frac_scan"]
 
-_KERNELS = {"mosaic": mosaic, "triton": triton}
+_KERNELS = {"mosaic": mosaic, "triton": triton, "mosaic_gpu": mosaic_gpu}
+_BACKENDS = ("mosaic", "triton", "mosaic_gpu")
 
 
 def _run(which: str, plan: TilePlan, backend: Backend, interpret, blocks, *args, **kwargs):
@@ -39,7 +43,7 @@ def _run(which: str, plan: TilePlan, backend: Backend, interpret, blocks, *args,
   return getattr(_KERNELS[backend], which)(plan, blocks, interpret, *args, **kwargs)
 
 
-def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int = 32,
+def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int | None = None,
               interpret=None, backend: Backend | None = None, **block_sizes):
   """Chunked multi-mode scan as a Pallas kernel; arguments and result as
   `jaxops.frac.frac_scan_reference`, differentiable in every float input.
@@ -48,12 +52,18 @@ def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int = 3
     x: [Bt, L, H, P]; dt: [Bt, L, H] > 0; b, c: [Bt, L, H, N]; rates, weights: [H, M];
       initial_state: [Bt, H, M, N, P] or None (zeros). Any L.
     chunk: tokens per chunk (rounded up to a power of two >= 16, at most the padded L).
-      Both lowerings share it (it shapes the saved chunk-start states, L / chunk of
-      [M, N, P] each); 32 keeps a Triton program's registers from spilling.
-    interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Triton);
-      True (or a `pltpu.InterpretParams`) interprets everywhere; False never interprets.
-    backend: force one lowering ("mosaic" or "triton"); with `interpret` this runs that
-      kernel body on CPU.
+      All lowerings share it (it shapes the saved chunk-start states, L / chunk of
+      [M, N, P] each). None: 64 where the GPU kernel is Mosaic GPU (WGMMA's M; its only
+      chunk, or one chunk holding the whole sequence), else 32 (which keeps a Triton
+      program's registers from spilling). With another chunk `backend=None` runs Triton
+      on Hopper too, and backend="mosaic_gpu" raises.
+    interpret: None interprets on CPU and compiles on TPU and GPU; True (or the backend's
+      interpreter params, `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`) interprets
+      everywhere; False never interprets.
+    backend: force one lowering ("mosaic", "triton" or "mosaic_gpu", the last on jax >=
+      0.11.2 for 16-bit inputs on a chip); with `interpret` this runs that kernel body on
+      CPU. None: Mosaic on TPU; on a CUDA GPU Mosaic GPU on Hopper for 16-bit inputs
+      (`dispatch.gpu_backend`) where the chunk allows, else Triton.
     **block_sizes: overrides of `BlockSizes` fields (p_block, num_warps, num_stages);
       defaults from `TUNED` for the chip and dtype.
 
@@ -61,12 +71,19 @@ def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int = 3
     (y [Bt, L, H, P] in x.dtype, final state [Bt, H, M, N, P] float32).
   """
   check_scan_inputs(x, dt, b, c, rates, weights, initial_state)
+  if chunk is None:
+    on_hopper = backend is None and gpu_backend(_BACKENDS, x.dtype) == "mosaic_gpu"
+    chunk = mosaic_gpu.CHUNK if backend == "mosaic_gpu" or on_hopper else 32
   if not isinstance(chunk, int) or chunk <= 0:
     raise ValueError(f"frac_scan: `chunk` must be a positive int, got {chunk!r}")
-  cfg = KernelConfig.make("frac_scan", BlockSizes, backend=backend, interpret=interpret,
-                          block_sizes=block_sizes)
-  state = zero_state(x, b, rates) if initial_state is None else initial_state
   plan = TilePlan.make(x, b, rates, chunk=chunk, mode_align=MODE_ALIGN, pow2=True)
+  backends = _BACKENDS if mosaic_gpu.supports(plan) else _BACKENDS[:2]
+  if backend == "mosaic_gpu" and backend not in backends:
+    raise ValueError(f"frac_scan: backend='mosaic_gpu' needs `chunk`={mosaic_gpu.CHUNK} (or a "
+                     f"sequence of at most one chunk), got chunk={chunk}")
+  cfg = KernelConfig.make("frac_scan", BlockSizes, backend=backend, interpret=interpret,
+                          block_sizes=block_sizes, backends=backends)
+  state = zero_state(x, b, rates) if initial_state is None else initial_state
   forward = lambda *a, **kw: dispatch(functools.partial(_run, "forward", plan, **kw), cfg, *a)
   backward = lambda *a: dispatch(functools.partial(_run, "backward", plan), cfg, *a)
   return scan_vjp(plan, forward, backward)(x, dt, b, c, rates, weights, state)

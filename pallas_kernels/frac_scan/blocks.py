@@ -20,12 +20,13 @@ MODE_ALIGN = 4
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Triton launch shape (Mosaic runs one program per group over all of P).
+  """Triton and Mosaic GPU launch shapes (Mosaic runs one program per group over all of P).
 
-  p_block: columns of the head width P per program.
+  p_block: columns of the head width P per Triton program (Mosaic GPU: always 64).
   m_block: modes per program (at most MODE_ALIGN); the program's m_block states
     ([N, p_block] float32 each) live in registers across the chunk loop.
-  num_warps, num_stages: Triton launch parameters.
+  num_warps: Triton's warps per program (Mosaic GPU: one warpgroup).
+  num_stages: Triton's software pipelining; Mosaic GPU's chunks in flight (TMA buffers).
   """
 
   p_block: int = 16
@@ -46,4 +47,5 @@ class BlockSizes:
 TUNED = {
     ("triton", None, "float32"): BlockSizes(p_block=16, m_block=2, num_warps=4),
     ("triton", None, "bfloat16"): BlockSizes(p_block=16, m_block=2, num_warps=8),
+    ("mosaic_gpu", None, "bfloat16"): BlockSizes(m_block=4, num_stages=2),
 }

@@ -1,0 +1,136 @@
+"""FRAC's Mosaic GPU kernel (Hopper): against the independent float64 reference of
+`tests/independent.py` through the Mosaic GPU interpreter with its race detector (odd sizes,
+several chunks, column and mode blocks, padding everywhere), float32 and bf16, the output,
+the final state and every gradient; which GPU kernel `backend=None` lowers to per chip,
+dtype and chunk; and the chunk rule's error. How outputs and gradients are compared:
+`tests/independent_checks.py`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import frac_scan as kernel
+from tests import independent as ind
+from tests import kernel_checks
+from tests.independent_checks import as_f64, cast, check, check_directional
+from tests.test_flash_ffn import mosaic_gpu_interpreter, needs_mosaic_gpu
+from tests.test_frac_independent import FRAC_GRAD_TOL, FRAC_NAMES, FRAC_TOL
+
+pytestmark = needs_mosaic_gpu
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+# (Bt, L, H, P, N, M). The default: 3 chunks of 64 (the last partial), P = 70 in two
+# 64-column blocks (the second mostly padding), N = 5 padded to 16, M = 5 in two blocks of 4.
+SHAPE = (1, 150, 2, 70, 5, 5)
+# One 64-token chunk holding the whole (odd) sequence, with P, N exact and 16 modes (4
+# blocks); a sequence shorter than a chunk (the plan's 32-token chunk, padded to 64 inside);
+# two full chunks and P = 130 (padded to 256: four column blocks), 3 modes.
+SLOW_SHAPES = [(2, 37, 1, 64, 16, 16), (1, 20, 1, 8, 3, 2), (1, 128, 1, 130, 16, 3)]
+# f32 as tests/test_frac_independent.py (measured here: outputs <= 3.6e-7, gradients <=
+# 5.4e-7). bf16 (x, b, c in bf16, the rest float32), measured over these shapes: y <= 3.9e-3
+# (mostly y's own rounding; the XLA path's is 3.7e-3 on the default case), state <= 2.5e-3
+# (the update x^T (bd * decay) with bf16 operands, as on the XLA path), gradients (the
+# relative L2 error of check_directional) <= 3.4e-3.
+BF16_TOL, BF16_GRAD_TOL = 1e-2, 1e-2
+DTYPES = {F32: (F32,) * 7, BF16: (BF16, F32, BF16, BF16, F32, F32, F32)}
+
+
+@functools.lru_cache(maxsize=None)
+def _case(shape, seed=11):
+  """Random inputs (never zeros), a cotangent of (y, state) and a direction per input."""
+  bt, length, heads, p, n, m = shape
+  rng = np.random.default_rng(seed)
+  inputs = (rng.standard_normal((bt, length, heads, p)),
+            np.log1p(np.exp(rng.standard_normal((bt, length, heads)))),     # softplus: dt > 0
+            0.5 * rng.standard_normal((bt, length, heads, n)),
+            0.5 * rng.standard_normal((bt, length, heads, n)),
+            np.exp(rng.uniform(-5.0, 1.8, size=(heads, m))),                 # rates 0.007 .. 6
+            rng.uniform(0.1, 1.0, size=(heads, m)),
+            rng.standard_normal((bt, heads, m, n, p)))
+  cotangents = (rng.standard_normal(inputs[0].shape), rng.standard_normal(inputs[6].shape))
+  directions = tuple(rng.standard_normal(a.shape) for a in inputs)
+  return inputs, cotangents, directions
+
+
+def check_kernel(shape, dtype):
+  """y, the final state and the seven gradients of the kernel (interpreted, races checked)
+  against the float64 recurrence on the same (possibly bf16-rounded) inputs."""
+  inputs, (w_y, w_state), directions = _case(shape)
+  args = tuple(cast(a, t) for a, t in zip(inputs, DTYPES[dtype], strict=True))
+  op = functools.partial(kernel.frac_scan, backend="mosaic_gpu",
+                         interpret=mosaic_gpu_interpreter())
+
+  def run(*args):
+    out, vjp = jax.vjp(op, *args)
+    return out, vjp((cast(w_y, DTYPES[dtype][0]), cast(w_state, F32)))
+
+  (y, state), grads = jax.jit(run)(*args)
+  assert y.dtype == dtype and state.dtype == F32
+  exact = [as_f64(a) for a in args]
+  y_ref, state_ref = ind.frac_scan(*exact)
+  tol = FRAC_TOL[F32] if dtype == F32 else BF16_TOL
+  check(y, y_ref, rtol=tol, name=f"y {dtype.__name__}")
+  check(state, state_ref, rtol=tol, name=f"state {dtype.__name__}")
+
+  def loss(*args):
+    y, state = ind.frac_scan(*args)
+    return float(np.sum(as_f64(cast(w_y, DTYPES[dtype][0])) * y) + np.sum(w_state * state))
+
+  derivs = [ind.directional_derivative(loss, exact, i, d) for i, d in enumerate(directions)]
+  check_directional(grads, derivs, directions, name=FRAC_NAMES,
+                    rtol=FRAC_GRAD_TOL if dtype == F32 else BF16_GRAD_TOL)
+
+
+def test_matches_independent_reference():
+  check_kernel(SHAPE, F32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [SHAPE] + SLOW_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_independent_reference_matrix(shape, dtype):
+  if shape == SHAPE and dtype == F32:
+    pytest.skip("the default run's case")
+  check_kernel(shape, dtype)
+
+
+def _benchmark_shape(dtype):
+  """The compile check's 16k head shape at an odd length: P = 64, N = 16, M = 16."""
+  spec = lambda *s, d=dtype: jax.ShapeDtypeStruct(s, d)
+  return (spec(1, 333, 4, 64), spec(1, 333, 4, d=F32), spec(1, 333, 4, 16),
+          spec(1, 333, 4, 16), spec(4, 16, d=F32), spec(4, 16, d=F32))
+
+
+@pytest.mark.parametrize("device_kind, dtype, chunk, backend", [
+    (kernel_checks.HOPPER_DEVICE_KIND, BF16, None, "mosaic_gpu"),
+    (kernel_checks.HOPPER_DEVICE_KIND, F32, None, "triton"),
+    (kernel_checks.HOPPER_DEVICE_KIND, BF16, 32, "triton"),
+    (kernel_checks.CUDA_DEVICE_KIND, BF16, None, "triton")],
+    ids=["h100-bf16", "h100-f32", "h100-bf16-chunk32", "a100-bf16"])
+def test_auto_picks_the_gpu_kernel_per_chip(device_kind, dtype, chunk, backend):
+  """backend=None lowers to Mosaic GPU for a Hopper target with bf16 inputs and the default
+  chunk (forward: one kernel; gradient: forward, the in-chunk and the state terms), and to
+  Triton (forward; forward and backward) for float32, for a chunk Mosaic GPU does not serve
+  and for an Ampere target; never to both."""
+  op = functools.partial(kernel.frac_scan, chunk=chunk)
+  grad = jax.grad(functools.partial(kernel_checks.sin_loss, op), argnums=tuple(range(6)))
+  other = {"mosaic_gpu": "triton", "triton": "mosaic_gpu"}[backend]
+  counts = {"mosaic_gpu": (1, 3), "triton": (1, 2)}[backend]
+  for fn, count in zip((op, grad), counts):
+    text = kernel_checks.export_mlir(fn, "cuda", *_benchmark_shape(dtype), device_kind=device_kind)
+    assert text.count(kernel_checks.BACKEND_CALL[backend]) == count
+    assert kernel_checks.BACKEND_CALL[other] not in text
+
+
+def test_forced_mosaic_gpu_names_the_chunk():
+  """Mosaic GPU's chunk is 64 tokens (WGMMA's M): another chunk over several chunks is a
+  clear error when the backend is forced."""
+  inputs, _, _ = _case(SHAPE)
+  args = tuple(cast(a, t) for a, t in zip(inputs, DTYPES[BF16], strict=True))
+  with pytest.raises(ValueError, match="backend='mosaic_gpu' needs `chunk`=64"):
+    kernel.frac_scan(*args, chunk=32, backend="mosaic_gpu", interpret=mosaic_gpu_interpreter())
