@@ -21,8 +21,8 @@ dtype. Shapes are the paper's and the configs' (the ones a user runs):
              lm     configs/lm_default.py: B=8 L=128 H=4 P=32 N=16 M=default(128)=12
 
 The kernel body is the one `backend=None` picks for the target (Triton on A100, Mosaic GPU
-for FlashFFN and for bfloat16 Pack3D on H100/H200, Mosaic on TPU); a case may force one
-("...@triton").
+for FlashFFN and for bfloat16 Pack3D and FRAC scan on H100/H200, Mosaic on TPU); a case may
+force one ("...@triton").
 
 `oversized` cases ask for blocks no chip can hold; the check expects them to FAIL (the
 proof that a kernel that does not fit is caught).
