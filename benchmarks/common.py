@@ -1,7 +1,10 @@
-"""Helpers shared by the benchmarks: compiled temp memory and side-by-side wall time."""
+"""Helpers shared by the benchmarks: compiled temp memory, side-by-side wall time, checks
+against references (each in its own process where a kernel may fault)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import jax
@@ -53,3 +56,17 @@ def report_errors(label: str, names, values, references, tol: float) -> bool:
     print(f"  {label} {name}: rel. max error {err:.2e} ({'ok' if err <= tol else 'FAIL'})",
           flush=True)
   return ok
+
+
+def check_in_subprocess(module: str, *args: str) -> bool:
+  """`python -m <module> check <args>` in its own process: a kernel fault (a CUDA error
+  poisons the process's context) is reported as that check's failure and the others still
+  run. The module prints its own result lines (report_errors)."""
+  done = subprocess.run([sys.executable, "-m", module, "check", *args], capture_output=True,
+                        text=True, check=False)
+  print(done.stdout, end="", flush=True)
+  if done.returncode != 0 and "(FAIL)" not in done.stdout:
+    errors = [l for l in done.stderr.splitlines() if "Error" in l or "error:" in l]
+    print(f"  {' '.join(args)}: crashed (exit {done.returncode}): {(errors or ['?'])[-1][:300]}",
+          flush=True)
+  return done.returncode == 0

@@ -14,14 +14,13 @@ the whole layers (FlashFFN adds its [d, d] in and out projections).
 from __future__ import annotations
 
 import functools
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.common import report_errors, wall_seconds
+from benchmarks.common import check_in_subprocess, report_errors, wall_seconds
 from jaxops import flash_ffn as ops
 from models import FlashFFN, SwiGLU
 from pallas_kernels import dispatch
@@ -119,20 +118,6 @@ CHECKS = (("float32", 1024, 1e-2), ("float32", 1000, 1e-2), ("bfloat16", 4096, 5
           ("bfloat16", 1000, 5e-2))
 
 
-def check_in_subprocess(backend: str, dtype: str, length: int, tol: float) -> bool:
-  """One check in its own process: a kernel fault (a CUDA error poisons the process's
-  context) is reported as that check's failure and the others still run."""
-  cmd = [sys.executable, "-m", "benchmarks.gpu_flash_ffn", "check", backend, dtype, str(length),
-         str(tol)]
-  done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-  print(done.stdout, end="", flush=True)
-  if done.returncode != 0 and "(FAIL)" not in done.stdout:
-    errors = [l for l in done.stderr.splitlines() if "Error" in l or "error:" in l]
-    print(f"  {backend} {dtype} L={length}: crashed (exit {done.returncode}): "
-          f"{(errors or ['?'])[-1][:300]}", flush=True)
-  return done.returncode == 0
-
-
 def main(argv) -> int:
   if argv[1:2] == ["check"]:  # one check, run by check_in_subprocess
     backend, dtype, length, tol = argv[2:]
@@ -142,7 +127,8 @@ def main(argv) -> int:
     return 0 if check("mosaic", jnp.float32, 40, 1e-4) else 1
   backends = gpu_backends()
   print(f"  kernel bodies: {backends}; backend=None picks {dispatch.gpu_backend(backends)}")
-  ok = all([check_in_subprocess(b, *c) for b in backends for c in CHECKS])
+  ok = all([check_in_subprocess("benchmarks.gpu_flash_ffn", b, *map(str, c))
+            for b in backends for c in CHECKS])
   time_ops(4, 16384, jnp.bfloat16, backends)
   for length in (4096, 16384):
     time_layers(length, jnp.bfloat16)

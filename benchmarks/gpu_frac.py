@@ -1,8 +1,11 @@
-"""FRAC on a GPU: compiled Triton scan kernel vs the reference, and its time vs the XLA path.
+"""FRAC on a GPU: each compiled scan kernel body (Triton; Mosaic GPU on Hopper for bf16)
+against the reference, and their times beside the XLA path.
 
 Run by benchmarks/gpu_check.sh; prints one line per check, exits non-zero on a mismatch.
   python -m benchmarks.gpu_frac
-On a machine without a GPU the kernel runs interpreted at a tiny size (a smoke test).
+The Mosaic GPU check runs in its own process (a kernel fault must not take the rest down);
+its timing only when that check passed. On a machine without a GPU the kernels run
+interpreted at a tiny size (a smoke test).
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import report_errors, wall_seconds
+from benchmarks.common import check_in_subprocess, report_errors, wall_seconds
 from jaxops import frac as ops
+from pallas_kernels import dispatch
 from pallas_kernels import frac_scan as kernel
 
 ON_GPU = jax.default_backend() == "gpu"
+HOPPER = (ON_GPU and dispatch.mosaic_gpu_available()
+          and (dispatch.compute_capability() or (0,))[0] == 9)
 HEADS, P, N, M = 4, 64, 16, 16
 ARGNAMES = ("x", "dt", "b", "c", "rates", "weights", "initial_state")
 
@@ -37,21 +43,26 @@ def _loss(op, *args):
   return jnp.sum(jnp.sin(y.astype(jnp.float32))) + jnp.sum(jnp.cos(state))
 
 
-def check(dtype, length: int, tol: float) -> bool:
-  """Outputs and all seven gradients of the kernel against the float32 reference."""
+def check(backend: str, dtype, length: int, tol: float) -> bool:
+  """Outputs and all seven gradients of one kernel body against the float32 reference."""
   args = inputs(length, dtype)
   run = lambda op: jax.jit(lambda *a: (op(*a), jax.grad(functools.partial(_loss, op),
                                                         argnums=tuple(range(7)))(*a)))
-  fast = run(functools.partial(kernel.frac_scan, interpret=None if ON_GPU else True))(*args)
+  fast = run(functools.partial(kernel.frac_scan, backend=backend,
+                               interpret=None if ON_GPU else True))(*args)
   ref = run(ops.frac_scan_reference)(*(a.astype(jnp.float32) for a in args))
   names = ("y", "state") + tuple(f"d{n}" for n in ARGNAMES)
-  return report_errors(f"{jnp.dtype(dtype).name} L={length}", names, jax.tree.leaves(fast),
-                       jax.tree.leaves(ref), tol)
+  return report_errors(f"{backend} {jnp.dtype(dtype).name} L={length}", names,
+                       jax.tree.leaves(fast), jax.tree.leaves(ref), tol)
 
 
-def timing(length: int, dtype, batch: int) -> None:
+def timing(length: int, dtype, batch: int, backends) -> None:
+  """Each kernel body (its default chunk: 32 Triton, 64 Mosaic GPU) and the XLA path."""
   args = inputs(length, dtype, batch)[:6]
-  paths = {"Triton kernel": kernel.frac_scan, "XLA chunked": ops.frac_scan}
+  names = {"triton": "Triton kernel", "mosaic_gpu": "Mosaic GPU kernel"}
+  paths = {names[b]: functools.partial(kernel.frac_scan, backend=b, interpret=False)
+           for b in backends}
+  paths["XLA chunked"] = ops.frac_scan
   times = {}
   for name, op in paths.items():
     fwd = lambda *a, op=op: op(*a)[0]
@@ -60,21 +71,34 @@ def timing(length: int, dtype, batch: int) -> None:
     times[name] = (wall_seconds(fwd, *args, repeats=10), wall_seconds(step, *args, repeats=10))
   base = times["XLA chunked"]
   for name, (fwd_s, step_s) in times.items():
-    print(f"  B={batch} L={length} {jnp.dtype(dtype).name} {name:14s} fwd {fwd_s * 1e3:7.2f} ms"
+    print(f"  B={batch} L={length} {jnp.dtype(dtype).name} {name:17s} fwd {fwd_s * 1e3:7.2f} ms"
           f"  fwd+bwd {step_s * 1e3:7.2f} ms  (XLA/this: fwd {base[0] / fwd_s:.2f}x,"
           f" fwd+bwd {base[1] / step_s:.2f}x)", flush=True)
 
 
-def main() -> int:
+def main(argv) -> int:
+  if argv[1:2] == ["check"]:  # one check, run by check_in_subprocess
+    backend, dtype, length, tol = argv[2:]
+    return 0 if check(backend, jnp.dtype(dtype), int(length), float(tol)) else 1
   print(f"FRAC scan, H={HEADS} P={P} N={N} M={M}, devices: {jax.devices()}")
-  if not ON_GPU:  # smoke test of this script: interpreted kernel, tiny size
-    return 0 if check(jnp.float32, 40, 1e-4) else 1
+  if not ON_GPU:  # smoke test of this script: interpreted kernels, tiny size
+    ok = check("triton", jnp.float32, 40, 1e-4)
+    if dispatch.mosaic_gpu_available():
+      ok &= check("mosaic_gpu", jnp.bfloat16, 40, 5e-2)
+    return 0 if ok else 1
+  backends = ["triton"]
+  print(f"  backend=None picks {dispatch.gpu_backend(('triton', 'mosaic_gpu'))} for bf16")
   # Triton dots on float32 inputs run as IEEE float32 (precision=HIGHEST in the tile math).
-  ok = check(jnp.float32, 1000, 1e-3) & check(jnp.bfloat16, 2048, 5e-2)
+  ok = check("triton", jnp.float32, 1000, 1e-3) & check("triton", jnp.bfloat16, 2048, 5e-2)
+  if HOPPER:  # bf16 only: dispatch refuses Mosaic GPU's float32 kernels on a chip
+    if check_in_subprocess("benchmarks.gpu_frac", "mosaic_gpu", "bfloat16", "1000", "5e-2"):
+      backends.append("mosaic_gpu")
+    else:
+      ok = False
   for length in (4096, 16384):
-    timing(length, jnp.bfloat16, batch=8)
+    timing(length, jnp.bfloat16, batch=8, backends=backends)
   return 0 if ok else 1
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(main(sys.argv))
