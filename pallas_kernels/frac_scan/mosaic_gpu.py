@@ -180,6 +180,7 @@ class _Decays:
     return jnp.exp(-rate * (self.t_end - t))
 
   def keep(self, rate):
+    """e^{-r t_Q}: over the whole chunk (a scalar)."""
     return jnp.exp(-rate * self.t_end)
 
 
