@@ -29,8 +29,10 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 SHAPE = (1, 150, 2, 70, 5, 5)
 # One 64-token chunk holding the whole (odd) sequence, with P, N exact and 16 modes (4
 # blocks); a sequence shorter than a chunk (the plan's 32-token chunk, padded to 64 inside);
-# two full chunks and P = 130 (padded to 256: four column blocks), 3 modes.
-SLOW_SHAPES = [(2, 37, 1, 64, 16, 16), (1, 20, 1, 8, 3, 2), (1, 128, 1, 130, 16, 3)]
+# two full chunks and P = 130 (padded to 256: four column blocks), 3 modes; N = 20 (padded to
+# 32: two modes per program; 6 modes padded to 8, so four mode blocks, the last all padding).
+SLOW_SHAPES = [(2, 37, 1, 64, 16, 16), (1, 20, 1, 8, 3, 2), (1, 128, 1, 130, 16, 3),
+               (1, 100, 1, 64, 20, 6)]
 # f32 as tests/test_frac_independent.py (measured here: outputs <= 3.6e-7, gradients <=
 # 5.4e-7). bf16 (x, b, c in bf16, the rest float32), measured over these shapes: y <= 3.9e-3
 # (mostly y's own rounding; the XLA path's is 3.7e-3 on the default case), state <= 2.5e-3
@@ -127,10 +129,15 @@ def test_auto_picks_the_gpu_kernel_per_chip(device_kind, dtype, chunk, backend):
     assert kernel_checks.BACKEND_CALL[other] not in text
 
 
-def test_forced_mosaic_gpu_names_the_chunk():
-  """Mosaic GPU's chunk is 64 tokens (WGMMA's M): another chunk over several chunks is a
-  clear error when the backend is forced."""
-  inputs, _, _ = _case(SHAPE)
+@pytest.mark.parametrize("shape, chunk, match", [
+    (SHAPE, 32, "backend='mosaic_gpu' needs `chunk`=64 .* got chunk 32"),
+    ((1, 70, 1, 8, 33, 2), None, "backend='mosaic_gpu' needs N <= 32 .* got 64")],
+    ids=["chunk", "n"])
+def test_forced_mosaic_gpu_names_what_it_cannot_serve(shape, chunk, match):
+  """Mosaic GPU's chunk is 64 tokens (WGMMA's M), its N at most 32: another chunk over
+  several chunks, or a wider N, is a clear error when the backend is forced."""
+  inputs, _, _ = _case(shape)
   args = tuple(cast(a, t) for a, t in zip(inputs, DTYPES[BF16], strict=True))
-  with pytest.raises(ValueError, match="backend='mosaic_gpu' needs `chunk`=64"):
-    kernel.frac_scan(*args, chunk=32, backend="mosaic_gpu", interpret=mosaic_gpu_interpreter())
+  with pytest.raises(ValueError, match=match):
+    kernel.frac_scan(*args, chunk=chunk, backend="mosaic_gpu",
+                     interpret=mosaic_gpu_interpreter())

@@ -55,8 +55,8 @@ def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int | N
       All lowerings share it (it shapes the saved chunk-start states, L / chunk of
       [M, N, P] each). None: 64 where the GPU kernel is Mosaic GPU (WGMMA's M; its only
       chunk, or one chunk holding the whole sequence), else 32 (which keeps a Triton
-      program's registers from spilling). With another chunk `backend=None` runs Triton
-      on Hopper too, and backend="mosaic_gpu" raises.
+      program's registers from spilling). With another chunk (or N > 32) `backend=None`
+      runs Triton on Hopper too, and backend="mosaic_gpu" raises.
     interpret: None interprets on CPU and compiles on TPU and GPU; True (or the backend's
       interpreter params, `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`) interprets
       everywhere; False never interprets.
@@ -77,10 +77,10 @@ def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int | N
   if not isinstance(chunk, int) or chunk <= 0:
     raise ValueError(f"frac_scan: `chunk` must be a positive int, got {chunk!r}")
   plan = TilePlan.make(x, b, rates, chunk=chunk, mode_align=MODE_ALIGN, pow2=True)
-  backends = _BACKENDS if mosaic_gpu.supports(plan) else _BACKENDS[:2]
-  if backend == "mosaic_gpu" and backend not in backends:
-    raise ValueError(f"frac_scan: backend='mosaic_gpu' needs `chunk`={mosaic_gpu.CHUNK} (or a "
-                     f"sequence of at most one chunk), got chunk={chunk}")
+  reason = mosaic_gpu.unsupported(plan)
+  if backend == "mosaic_gpu" and reason:
+    raise ValueError(f"frac_scan: backend='mosaic_gpu' {reason}")
+  backends = _BACKENDS[:2] if reason else _BACKENDS
   cfg = KernelConfig.make("frac_scan", BlockSizes, backend=backend, interpret=interpret,
                           block_sizes=block_sizes, backends=backends)
   state = zero_state(x, b, rates) if initial_state is None else initial_state

@@ -27,8 +27,9 @@ float32 inputs the same code runs in the interpreter only: on a real chip `dispa
 refuses float32 Mosaic GPU kernels (`dispatch.mosaic_gpu_dtype_ok`).
 
 Shapes served: the plan's chunk must be 64 (or the whole padded sequence, one chunk, which
-is padded here to 64 tokens); P is padded to a multiple of 64 with inert zero columns.
-`supports` says whether a plan fits; `frac_scan` falls back to Triton when it does not.
+is padded here to 64 tokens) and N (padded to 16 or 32) at most 32; P is padded to a
+multiple of 64 with inert zero columns. `unsupported` says why a plan does not fit;
+`frac_scan` falls back to Triton then.
 """
 
 from __future__ import annotations
@@ -51,9 +52,16 @@ CHUNK = 64     # tokens per chunk: WGMMA's M
 COLUMNS = 64   # columns of P per program: M of the state update
 
 
-def supports(plan: TilePlan) -> bool:
-  """Whether the kernel serves this plan: 64-token chunks, or a single chunk."""
-  return plan.chunk == CHUNK or (plan.num_chunks == 1 and plan.chunk < CHUNK)
+def unsupported(plan: TilePlan) -> str | None:
+  """Why the kernel cannot serve this plan (None: it can). It needs 64-token chunks (or one
+  chunk holding the whole sequence) and N <= 32 (N = 64's float32 state blocks would take
+  TMA copies of more dimensions than it has)."""
+  if not (plan.chunk == CHUNK or (plan.num_chunks == 1 and plan.chunk < CHUNK)):
+    return (f"needs `chunk`={CHUNK} (or a sequence of at most one chunk), got chunk "
+            f"{plan.chunk}")
+  if plan.n > 32:
+    return f"needs N <= 32 (the last dim of `b`), got {plan.n} after padding"
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +90,11 @@ class _Grid:
 
 
 def _grid(plan: TilePlan, blocks) -> _Grid:
-  assert supports(plan), plan  # frac_scan checks it
-  return _Grid(plan, min(blocks.m_block, plan.m_align))
+  """m_block: the tuned count (4 at N = 16), halved for each doubling of N (>= 16, a power of
+  two): a program's states, their operands and staging scale with m_block * N, and 4 x 32
+  overflows the backward's shared memory (246 KiB > 227 KiB)."""
+  assert unsupported(plan) is None, plan  # frac_scan checks it
+  return _Grid(plan, min(blocks.m_block, plan.m_align, max(1, 64 // plan.n)))
 
 
 # ----------------------------------------------------------------------------
