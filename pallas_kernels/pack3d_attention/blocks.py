@@ -26,7 +26,8 @@ class BlockSizes:
     blocks of this many (a power of two >= 16; T if larger): its live tiles are [rows, T]
     scores beside the [T, D] dK and dV accumulators.
   num_warps, num_warps_bwd, num_stages: Triton launch parameters (forward and dq;
-    dk/dv and summary kernels; all).
+    dk/dv and summary kernels; all). Mosaic GPU: num_stages steps' tiles in flight in each
+    key or query stream (`plgpu.emit_pipeline`).
   """
 
   block_summaries: int = 128

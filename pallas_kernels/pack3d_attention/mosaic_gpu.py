@@ -17,10 +17,13 @@ head, batch entry):
             symmetric), with transposed tiles: s^T = K q^T [T, T];
   summaries per block of S summaries over every query cube: dKbar, dVbar and (with a far
             offset) the per-summary sums of ds, d beta's parts.
-Each loop step loads its tiles (one barrier each) and waits for them; WGMMA reads A and B
-from shared memory (the scores' probabilities and gradients are written there in the input
-dtype), which is what the Mosaic GPU interpreter runs. Softmax statistics are vectors in
-WGMMA's row (`_ROWS`) or column (`_COLS`) layout, broadcast over the tile.
+Each program loads its own tiles once; the loops stream the others in through
+`plgpu.emit_pipeline` (`_Streams`: `num_stages` steps in flight, the next neighbour's or
+summary block's tiles loading while this step's matmuls run; the neighbour index of a step is
+read from the table in gmem by the block spec). WGMMA reads A and B from shared memory (the
+scores' probabilities and gradients are written there in the input dtype), which is what the
+Mosaic GPU interpreter runs. Softmax statistics are vectors in WGMMA's row or column layout
+(`_layouts`), broadcast over the tile.
 
 float32 runs here in the interpreter only (the dispatcher compiles 16-bit inputs only:
 `dispatch.mosaic_gpu_dtype_ok`); TF32 WGMMA would want K-major B tiles the 16-bit path
@@ -28,6 +31,9 @@ does not need.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +90,55 @@ def _load(plgpu, copies, bar):
     plgpu.copy_gmem_to_smem(src, dst, bar.at[j])
   for j in range(len(copies)):
     plgpu.barrier_wait(bar.at[j])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Streams:
+  """The tile streams of one program (batch entry b, head h): loops whose steps' tiles come
+  in through `plgpu.emit_pipeline`, `stages` steps in flight (the next tiles load while this
+  step's matmuls run). A stream is a list of (gmem view, block spec) pairs; `index(j)` is the
+  cube (or summary block) of step j."""
+
+  plgpu: Any
+  plan: TilePlan
+  stages: int
+  transforms: tuple
+  b: Any
+  h: Any
+
+  def _tiles(self, rows: int, index):
+    return self.plgpu.BlockSpec((rows, self.plan.d), lambda j: (index(j), 0),
+                                transforms=self.transforms)
+
+  def _row(self, index):
+    return self.plgpu.BlockSpec((None, self.plan.t), lambda j: (index(j), 0))
+
+  def keys(self, k_ref, v_ref, kb_ref, index):
+    """Cube index(j)'s k, v tiles [T, d] and key-slot bias [T]."""
+    b, h, t = self.b, self.h, self.plan.t
+    return [(k_ref.at[b, :, h], self._tiles(t, index)), (v_ref.at[b, :, h], self._tiles(t, index)),
+            (kb_ref.at[b], self._row(index))]
+
+  def summaries(self, kbar_ref, vbar_ref, rows_ref):
+    """Summary block j's kbar, vbar tiles [S, d] and cube rows [8, S]."""
+    b, h, s = self.b, self.h, self.plan.s_block
+    block = lambda j: j
+    return [(kbar_ref.at[b, :, h], self._tiles(s, block)),
+            (vbar_ref.at[b, :, h], self._tiles(s, block)),
+            (rows_ref.at[b], self.plgpu.BlockSpec((8, s), lambda j: (0, j)))]
+
+  def queries(self, q_ref, do_ref, lse_ref, delta_ref, index):
+    """Cube index(j)'s q, do tiles [T, d] and lse, delta [T]."""
+    b, h, t = self.b, self.h, self.plan.t
+    return [(q_ref.at[b, :, h], self._tiles(t, index)), (do_ref.at[b, :, h], self._tiles(t, index)),
+            (lse_ref.at[b, :, h], self._row(index)), (delta_ref.at[b, :, h], self._row(index))]
+
+  def loop(self, count, stream, body, init):
+    """carry after body(j, *step j's smem tiles, carry) for j < count (count may be traced)."""
+    return self.plgpu.emit_pipeline(
+        lambda idx, *refs: body(idx[0], *refs), grid=(count,),
+        in_specs=[spec for _, spec in stream], max_concurrent_steps=self.stages,
+        init_carry=init)(*(ref for ref, _ in stream))
 
 
 def _query_key(cols_ref, b, a):
@@ -151,7 +206,6 @@ def _operands(plan: TilePlan, offset, tables: Tables, *xs):
 
 def forward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables):
   """o [B, C*T, H*D] and lse [B, C, H, T] from the shared layout (`tiles`)."""
-  del blocks
   plgpu = mosaic_gpu_module()
   t, s, d, dtype = plan.t, plan.s_block, plan.d, q.dtype
   (q, k, v, kbar, vbar), key_bias, offset = _operands(plan, offset, tables, q, k, v, kbar, vbar)
@@ -159,30 +213,26 @@ def forward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tabl
   rows_l, cols_l = _layouts(plgpu)
 
   def kernel(nbr_ref, nnb_ref, q_ref, k_ref, v_ref, kb_ref, kbar_ref, vbar_ref, rows_ref,
-             cols_ref, off_ref, o_ref, lse_ref, q_s, k_s, v_s, kb_s, kbar_s, vbar_s, rows_s,
-             p_s, pf_s, lse_s, bar):
+             cols_ref, off_ref, o_ref, lse_ref, q_s, p_s, pf_s, lse_s, bar):
     a, h, b = _grid_ids()
+    streams = _Streams(plgpu, plan, blocks.num_stages, tf, b, h)
     _load(plgpu, [(_tile(q_ref, b, a, t, h), q_s)], bar)
+    key, beta = _query_key(cols_ref, b, a), _offset(off_ref, h)
 
-    def local(j, carry):
-      c = nbr_ref[b, a, j]
-      _load(plgpu, [(_tile(k_ref, b, c, t, h), k_s), (_tile(v_ref, b, c, t, h), v_s),
-                    (kb_ref.at[b, c], kb_s)], bar)
+    def local(_, k_s, v_s, kb_s, carry):
       bias = plgpu.load(kb_s, layout=cols_l)
       return _online_step(plgpu, plan, carry, q_s, k_s, v_s, p_s, bias)
 
-    key, beta = _query_key(cols_ref, b, a), _offset(off_ref, h)
-
-    def far(i, carry):
-      _load(plgpu, [(_tile(kbar_ref, b, i, s, h), kbar_s), (_tile(vbar_ref, b, i, s, h), vbar_s),
-                    (rows_ref.at[b, :, pl.ds(i * s, s)], rows_s)], bar)
+    def far(_, kbar_s, vbar_s, rows_s, carry):
       bias = _far_bias(plgpu, plan, rows_s, key, beta, cols_l)
       return _online_step(plgpu, plan, carry, q_s, kbar_s, vbar_s, pf_s, bias)
 
     init = (_zeros(plgpu, (t, d)), plgpu.layout_cast(jnp.full((t,), MASK, _F32), rows_l),
             _zeros(plgpu, (t,), rows_l))
-    carry = lax.fori_loop(0, nnb_ref[b, a], local, init)
-    acc, m, l = lax.fori_loop(0, plan.summary_blocks, far, carry)
+    neighbours = streams.keys(k_ref, v_ref, kb_ref, lambda j: nbr_ref[b, a, j])
+    carry = streams.loop(nnb_ref[b, a], neighbours, local, init)
+    acc, m, l = streams.loop(plan.summary_blocks, streams.summaries(kbar_ref, vbar_ref, rows_ref),
+                             far, carry)
     q_s[...] = (acc / _bcast(l, acc.shape, 0)).astype(dtype)  # every WGMMA reading q is done
     lse_s[...] = m + jnp.log(l)
     plgpu.commit_smem()
@@ -190,11 +240,9 @@ def forward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tabl
     plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[b, a, h])
     plgpu.wait_smem_to_gmem(0)
 
-  tile = lambda rows: plgpu.SMEM((rows, d), dtype, transforms=tf)
-  scratch = [tile(t), tile(t), tile(t), plgpu.SMEM((t,), _F32), tile(s), tile(s),
-             plgpu.SMEM((8, s), _F32), plgpu.SMEM((t, t), dtype, transforms=tf),
+  scratch = [plgpu.SMEM((t, d), dtype, transforms=tf), plgpu.SMEM((t, t), dtype, transforms=tf),
              plgpu.SMEM((t, s), dtype, transforms=tf), plgpu.SMEM((t,), _F32),
-             plgpu.Barrier(num_barriers=3)]
+             plgpu.Barrier(num_barriers=1)]
   out_type = [jax.ShapeDtypeStruct(q.shape, dtype),
               jax.ShapeDtypeStruct((plan.batch, plan.cubes, plan.heads, t), _F32)]
   o, lse = _call(plgpu, kernel, plan, (plan.cubes, plan.heads, plan.batch), out_type, scratch,
@@ -207,16 +255,17 @@ def backward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tab
              do, lse, delta):
   """dq, dk, dv, dkbar, dvbar in the shared layout and, with a far offset, its per-summary
   parts [B, H, Cs]."""
-  del blocks
   plgpu = mosaic_gpu_module()
   xs, key_bias, offset = _operands(plan, offset, tables, q, k, v, kbar, vbar, do)
-  dq = _dq(plgpu, plan, interpret, xs, key_bias, offset, tables, lse, delta)
-  dk, dv = _dkv(plgpu, plan, interpret, xs, key_bias, tables, lse, delta)
-  summaries = _dsummaries(plgpu, plan, interpret, xs, offset, tables, lse, delta)
+  stages = blocks.num_stages
+  dq = _dq(plgpu, plan, stages, interpret, xs, key_bias, offset, tables, lse, delta)
+  dk, dv = _dkv(plgpu, plan, stages, interpret, xs, key_bias, tables, lse, delta)
+  summaries = _dsummaries(plgpu, plan, stages, interpret, xs, offset, tables, lse, delta)
   return (*(_lanes(plan, g) for g in (dq, dk, dv, *summaries[:2])), *summaries[2:])
 
 
-def _dq(plgpu, plan: TilePlan, interpret, xs, key_bias, offset, tables: Tables, lse, delta):
+def _dq(plgpu, plan: TilePlan, stages, interpret, xs, key_bias, offset, tables: Tables, lse,
+        delta):
   """dq [B, C*T, H, d]: per query cube over its two key streams."""
   q, k, v, kbar, vbar, do = xs
   t, s, d, dtype = plan.t, plan.s_block, plan.d, q.dtype
@@ -225,11 +274,13 @@ def _dq(plgpu, plan: TilePlan, interpret, xs, key_bias, offset, tables: Tables, 
 
   def kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kb_ref,
              kbar_ref, vbar_ref, rows_ref, cols_ref, off_ref, dq_ref, q_s, do_s, lse_s,
-             delta_s, k_s, v_s, kb_s, kbar_s, vbar_s, rows_s, ds_s, dsf_s, bar):
+             delta_s, ds_s, dsf_s, bar):
     a, h, b = _grid_ids()
+    streams = _Streams(plgpu, plan, stages, tf, b, h)
     _load(plgpu, [(_tile(q_ref, b, a, t, h), q_s), (_tile(do_ref, b, a, t, h), do_s),
                   (lse_ref.at[b, a, h], lse_s), (delta_ref.at[b, a, h], delta_s)], bar)
     lse_r, delta_r = (plgpu.load(x, layout=rows_l) for x in (lse_s, delta_s))
+    key, beta = _query_key(cols_ref, b, a), _offset(off_ref, h)
 
     def step(dq, k_tile, v_tile, ds_buf, bias):
       """dq + ds K for one key tile (`tiles.dq_step`, the scale applied at the end)."""
@@ -240,30 +291,24 @@ def _dq(plgpu, plan: TilePlan, interpret, xs, key_bias, offset, tables: Tables, 
       _store_operands(plgpu, [(ds_buf, p * (dpv - _bcast(delta_r, shape, 0)))])
       return dq + _products(plgpu, dq.shape, [(ds_buf, k_tile)])[0]
 
-    def local(j, dq):
-      c = nbr_ref[b, a, j]
-      _load(plgpu, [(_tile(k_ref, b, c, t, h), k_s), (_tile(v_ref, b, c, t, h), v_s),
-                    (kb_ref.at[b, c], kb_s)], bar)
+    def local(_, k_s, v_s, kb_s, dq):
       return step(dq, k_s, v_s, ds_s, plgpu.load(kb_s, layout=cols_l))
 
-    key, beta = _query_key(cols_ref, b, a), _offset(off_ref, h)
-
-    def far(i, dq):
-      _load(plgpu, [(_tile(kbar_ref, b, i, s, h), kbar_s), (_tile(vbar_ref, b, i, s, h), vbar_s),
-                    (rows_ref.at[b, :, pl.ds(i * s, s)], rows_s)], bar)
+    def far(_, kbar_s, vbar_s, rows_s, dq):
       return step(dq, kbar_s, vbar_s, dsf_s, _far_bias(plgpu, plan, rows_s, key, beta, cols_l))
 
-    dq = lax.fori_loop(0, nnb_ref[b, a], local, _zeros(plgpu, (t, d)))
-    dq = lax.fori_loop(0, plan.summary_blocks, far, dq)
+    neighbours = streams.keys(k_ref, v_ref, kb_ref, lambda j: nbr_ref[b, a, j])
+    dq = streams.loop(nnb_ref[b, a], neighbours, local, _zeros(plgpu, (t, d)))
+    dq = streams.loop(plan.summary_blocks, streams.summaries(kbar_ref, vbar_ref, rows_ref), far,
+                      dq)
     q_s[...] = (dq * plan.scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_s, _tile(dq_ref, b, a, t, h))
     plgpu.wait_smem_to_gmem(0)
 
-  tile = lambda rows: plgpu.SMEM((rows, d), dtype, transforms=tf)
-  vec = lambda n: plgpu.SMEM((n,), _F32)
-  scratch = [tile(t), tile(t), vec(t), vec(t), tile(t), tile(t), vec(t), tile(s), tile(s),
-             plgpu.SMEM((8, s), _F32), plgpu.SMEM((t, t), dtype, transforms=tf),
+  tile = lambda: plgpu.SMEM((t, d), dtype, transforms=tf)
+  vec = lambda: plgpu.SMEM((t,), _F32)
+  scratch = [tile(), tile(), vec(), vec(), plgpu.SMEM((t, t), dtype, transforms=tf),
              plgpu.SMEM((t, s), dtype, transforms=tf), plgpu.Barrier(num_barriers=4)]
   return _call(plgpu, kernel, plan, (plan.cubes, plan.heads, plan.batch),
                jax.ShapeDtypeStruct(q.shape, dtype), scratch, interpret, "pack3d_bwd_dq",
@@ -272,11 +317,13 @@ def _dq(plgpu, plan: TilePlan, interpret, xs, key_bias, offset, tables: Tables, 
 
 
 def _transposed_grads(plgpu, plan: TilePlan, carry, k_s, v_s, q_s, do_s, p_s, ds_s, bias,
-                      lse_c, delta_c):
+                      lse_s, delta_s):
   """(dK, dV) or (dK, dV, ds column sums) + one query tile's part, from transposed tiles:
   s^T = K q^T [M, T] with bias [M] per key row; lse, delta [T] per column
   (`tiles.dkv_step`, `tiles.dsummary_step`; dK's scale applied at the end)."""
   shape = p_s.shape
+  _, cols_l = _layouts(plgpu)
+  lse_c, delta_c = (plgpu.load(x, layout=cols_l) for x in (lse_s, delta_s))
   st, dpt = _products(plgpu, shape, [(k_s, q_s.transpose((1, 0))),
                                      (v_s, do_s.transpose((1, 0)))])
   p = jnp.exp(st * plan.scale + _bcast(bias, shape, 0) - _bcast(lse_c, shape, 1))
@@ -284,16 +331,6 @@ def _transposed_grads(plgpu, plan: TilePlan, carry, k_s, v_s, q_s, do_s, p_s, ds
   _store_operands(plgpu, [(p_s, p), (ds_s, ds)])
   dk, dv = _products(plgpu, carry[0].shape, [(ds_s, q_s), (p_s, do_s)])
   return (carry[0] + dk, carry[1] + dv) + tuple(c + jnp.sum(ds, axis=1) for c in carry[2:])
-
-
-def _query_tiles(plgpu, refs, bufs, b, a, h, t, bar, cols_l):
-  """Loads query cube a's q, do [T, d], lse, delta [T]; returns lse, delta as column
-  vectors."""
-  q_ref, do_ref, lse_ref, delta_ref = refs
-  q_s, do_s, lse_s, delta_s = bufs
-  _load(plgpu, [(_tile(q_ref, b, a, t, h), q_s), (_tile(do_ref, b, a, t, h), do_s),
-                (lse_ref.at[b, a, h], lse_s), (delta_ref.at[b, a, h], delta_s)], bar)
-  return plgpu.load(lse_s, layout=cols_l), plgpu.load(delta_s, layout=cols_l)
 
 
 def _store_grads(plgpu, pairs):
@@ -306,81 +343,79 @@ def _store_grads(plgpu, pairs):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dkv(plgpu, plan: TilePlan, interpret, xs, key_bias, tables: Tables, lse, delta):
+def _dkv(plgpu, plan: TilePlan, stages, interpret, xs, key_bias, tables: Tables, lse, delta):
   """dK, dV [B, C*T, H, d]: per key cube over the query cubes that have it as a
   neighbour."""
   q, k, v, _, _, do = xs
   t, d, dtype = plan.t, plan.d, q.dtype
   tf = _transforms(plgpu, dtype, d, t)
-  rows_l, cols_l = _layouts(plgpu)
+  rows_l, _ = _layouts(plgpu)
 
   def kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kb_ref,
-             dk_ref, dv_ref, k_s, v_s, kb_s, q_s, do_s, lse_s, delta_s, p_s, ds_s, bar):
+             dk_ref, dv_ref, k_s, v_s, kb_s, p_s, ds_s, bar):
     c, h, b = _grid_ids()
+    streams = _Streams(plgpu, plan, stages, tf, b, h)
     _load(plgpu, [(_tile(k_ref, b, c, t, h), k_s), (_tile(v_ref, b, c, t, h), v_s),
                   (kb_ref.at[b, c], kb_s)], bar)
     bias = plgpu.load(kb_s, layout=rows_l)
 
-    def step(j, carry):
-      lse_c, delta_c = _query_tiles(plgpu, (q_ref, do_ref, lse_ref, delta_ref),
-                                    (q_s, do_s, lse_s, delta_s), b, nbr_ref[b, c, j], h, t,
-                                    bar, cols_l)
-      return _transposed_grads(plgpu, plan, carry, k_s, v_s, q_s, do_s, p_s, ds_s, bias,
-                               lse_c, delta_c)
+    def step(_, q_s, do_s, lse_s, delta_s, carry):
+      return _transposed_grads(plgpu, plan, carry, k_s, v_s, q_s, do_s, p_s, ds_s, bias, lse_s,
+                               delta_s)
 
-    dk, dv = lax.fori_loop(0, nnb_ref[b, c], step, (_zeros(plgpu, (t, d)),) * 2)
+    queries = streams.queries(q_ref, do_ref, lse_ref, delta_ref, lambda j: nbr_ref[b, c, j])
+    dk, dv = streams.loop(nnb_ref[b, c], queries, step, (_zeros(plgpu, (t, d)),) * 2)
     _store_grads(plgpu, [(dk * plan.scale, k_s, _tile(dk_ref, b, c, t, h)),
                          (dv, v_s, _tile(dv_ref, b, c, t, h))])
 
   tile = lambda: plgpu.SMEM((t, d), dtype, transforms=tf)
   square = lambda: plgpu.SMEM((t, t), dtype, transforms=tf)
-  vec = lambda: plgpu.SMEM((t,), _F32)
-  scratch = [tile(), tile(), vec(), tile(), tile(), vec(), vec(), square(), square(),
-             plgpu.Barrier(num_barriers=4)]
+  scratch = [tile(), tile(), plgpu.SMEM((t,), _F32), square(), square(),
+             plgpu.Barrier(num_barriers=3)]
   out = jax.ShapeDtypeStruct(k.shape, dtype)
   return _call(plgpu, kernel, plan, (plan.cubes, plan.heads, plan.batch), [out, out], scratch,
                interpret, "pack3d_bwd_dkv", tables.neighbours, tables.num_neighbours, q, do,
                lse, delta, k, v, key_bias)
 
 
-def _dsummaries(plgpu, plan: TilePlan, interpret, xs, offset, tables: Tables, lse, delta):
+def _dsummaries(plgpu, plan: TilePlan, stages, interpret, xs, offset, tables: Tables, lse,
+                delta):
   """dKbar, dVbar [B, Cs, H, d] and, with a far offset, d beta's per-summary parts
   [B, H, Cs]: per block of S summaries over every query cube."""
   q, _, _, kbar, vbar, do = xs
   t, s, d, dtype = plan.t, plan.s_block, plan.d, q.dtype
   tf = _transforms(plgpu, dtype, d, t, s)
-  rows_l, cols_l = _layouts(plgpu)
+  rows_l, _ = _layouts(plgpu)
   with_offset = offset is not None
 
   def kernel(q_ref, do_ref, lse_ref, delta_ref, kbar_ref, vbar_ref, rows_ref, cols_ref,
              off_ref, dkbar_ref, dvbar_ref, *rest):
     doff_ref, rest = (rest[0], rest[1:]) if with_offset else (None, rest)
-    kbar_s, vbar_s, rows_s, q_s, do_s, lse_s, delta_s, p_s, ds_s, bar, *doff_s = rest
+    kbar_s, vbar_s, rows_s, p_s, ds_s, bar, *doff_s = rest
     i, h, b = _grid_ids()
+    streams = _Streams(plgpu, plan, stages, tf, b, h)
     _load(plgpu, [(_tile(kbar_ref, b, i, s, h), kbar_s), (_tile(vbar_ref, b, i, s, h), vbar_s),
                   (rows_ref.at[b, :, pl.ds(i * s, s)], rows_s)], bar)
     beta = _offset(off_ref, h)
 
-    def step(a, carry):
-      lse_c, delta_c = _query_tiles(plgpu, (q_ref, do_ref, lse_ref, delta_ref),
-                                    (q_s, do_s, lse_s, delta_s), b, a, h, t, bar, cols_l)
+    def step(a, q_s, do_s, lse_s, delta_s, carry):
       bias = _far_bias(plgpu, plan, rows_s, _query_key(cols_ref, b, a), beta, rows_l)
-      return _transposed_grads(plgpu, plan, carry, kbar_s, vbar_s, q_s, do_s, p_s, ds_s,
-                               bias, lse_c, delta_c)
+      return _transposed_grads(plgpu, plan, carry, kbar_s, vbar_s, q_s, do_s, p_s, ds_s, bias,
+                               lse_s, delta_s)
 
     init = (_zeros(plgpu, (s, d)),) * 2 + ((_zeros(plgpu, (s,), rows_l),) if with_offset else ())
-    sums = lax.fori_loop(0, plan.cubes, step, init)
+    queries = streams.queries(q_ref, do_ref, lse_ref, delta_ref, lambda j: j)
+    sums = streams.loop(plan.cubes, queries, step, init)
     out = [(sums[0] * plan.scale, kbar_s, _tile(dkbar_ref, b, i, s, h)),
            (sums[1], vbar_s, _tile(dvbar_ref, b, i, s, h))]
     if with_offset:
       out.append((sums[2], doff_s[0], doff_ref.at[b, h, pl.ds(i * s, s)]))
     _store_grads(plgpu, out)
 
-  tile = lambda rows: plgpu.SMEM((rows, d), dtype, transforms=tf)
-  vec = lambda n: plgpu.SMEM((n,), _F32)
-  scratch = [tile(s), tile(s), plgpu.SMEM((8, s), _F32), tile(t), tile(t), vec(t), vec(t),
-             plgpu.SMEM((s, t), dtype, transforms=tf), plgpu.SMEM((s, t), dtype, transforms=tf),
-             plgpu.Barrier(num_barriers=4)] + ([vec(s)] if with_offset else [])
+  tile = lambda: plgpu.SMEM((s, d), dtype, transforms=tf)
+  scratch = [tile(), tile(), plgpu.SMEM((8, s), _F32), plgpu.SMEM((s, t), dtype, transforms=tf),
+             plgpu.SMEM((s, t), dtype, transforms=tf), plgpu.Barrier(num_barriers=3)]
+  scratch += [plgpu.SMEM((s,), _F32)] if with_offset else []
   out_type = [jax.ShapeDtypeStruct(kbar.shape, dtype)] * 2
   if with_offset:
     out_type.append(jax.ShapeDtypeStruct((plan.batch, plan.heads, plan.c_s), _F32))
