@@ -33,6 +33,18 @@ H = 2
 # Entry 0: one (13, 3, 5) field, 4 x 1 x 2 cubes (cubes 2 and 3 along z are far from 0);
 # entry 1: a (9, 5, 3) field (far cubes along z) and a (5, 4, 3) one. N = 195, shuffled.
 COORDS, FIELDS = packed(([(13, 3, 5)], [(9, 5, 3), (5, 4, 3)]))
+
+
+def _sparse():
+  """One batch entry of 75 tokens, one per cube (a 5 x 5 x 3 grid of cubes, shuffled): 63
+  slots of every cube empty, and more cubes than one block of 64 summaries holds."""
+  cubes = np.stack(np.meshgrid(*[np.arange(n) for n in (5, 5, 3)], indexing="ij"), -1)
+  coords = cubes.reshape(-1, 3) * np.asarray(BLOCK) + np.array([1, 2, 0])
+  coords = coords[np.random.default_rng(7).permutation(len(coords))]
+  return coords[None].astype(np.int32), np.zeros((1, len(coords)), np.int32)
+
+
+LAYOUTS = {"fields": (COORDS, FIELDS), "sparse": _sparse()}
 OFFSET = np.array([0.6, -0.9])
 CASES = {"default": {}, "radius0": {"radius_blocks": 0}, "radius2": {"radius_blocks": 2},
          "no_bias": {"block_bias": False}}
@@ -44,43 +56,45 @@ GRAD_TOL = {F32: 1e-5, BF16: 1e-2}
 
 
 @functools.lru_cache(maxsize=None)
-def inputs(d: int):
-  """q, k, v [2, N, H, D], a cotangent W and one direction per input (and the offset)."""
+def inputs(d: int, layout: str):
+  """q, k, v [B, N, H, D], a cotangent W and one direction per input (and the offset)."""
   rng = np.random.default_rng(d)
-  q, k, v, w, *dirs = (rng.standard_normal((2, COORDS.shape[1], H, d)) for _ in range(7))
+  shape = LAYOUTS[layout][0].shape[:2] + (H, d)
+  q, k, v, w, *dirs = (rng.standard_normal(shape) for _ in range(7))
   return (q, k, v), w, (*dirs, rng.standard_normal(H))
 
 
-def reference(q, k, v, beta, case):
-  return ind.pack3d_attention(q, k, v, COORDS, FIELDS, block_shape=BLOCK, far_offset=beta,
+def reference(q, k, v, beta, case, layout):
+  return ind.pack3d_attention(q, k, v, *LAYOUTS[layout], block_shape=BLOCK, far_offset=beta,
                               **CASES[case])
 
 
-def run(dtype, d: int, case: str, offset: bool):
+def run(dtype, d: int, case: str, offset: bool, layout: str):
   """The op's output and its VJP (cotangent W) in q, k, v (and far_offset)."""
-  (q, k, v), w, _ = inputs(d)
+  (q, k, v), w, _ = inputs(d, layout)
   args = tuple(cast(a, dtype) for a in (q, k, v)) + ((cast(OFFSET, F32),) if offset else ())
 
   def fn(q, k, v, *beta):
     return pack_kernel.pack3d_attention(
-        q, k, v, COORDS, FIELDS, block_shape=BLOCK, far_offset=beta[0] if beta else None,
+        q, k, v, *LAYOUTS[layout], block_shape=BLOCK, far_offset=beta[0] if beta else None,
         backend="mosaic_gpu", interpret=mosaic_gpu_interpreter(), **CASES[case])
 
   out, vjp = jax.vjp(fn, *args)
   return out, vjp(cast(w, dtype))
 
 
-def check_case(dtype, d: int, case: str, offset: bool):
-  (q, k, v), w, dirs = inputs(d)
+def check_case(dtype, d: int, case: str, offset: bool, layout: str = "fields"):
+  (q, k, v), w, dirs = inputs(d, layout)
   beta = OFFSET if offset else None
   if dtype == BF16:
     q, k, v = (rounded(a, dtype) for a in (q, k, v))
   w = rounded(w, dtype)
-  out, grads = run(dtype, d, case, offset)
+  out, grads = run(dtype, d, case, offset, layout)
   assert out.dtype == dtype
-  check(out, reference(q, k, v, beta, case), rtol=TOL[dtype], name=f"{case} out")
+  ref = lambda q, k, v, beta: reference(q, k, v, beta, case, layout)
+  check(out, ref(q, k, v, beta), rtol=TOL[dtype], name=f"{case} out")
   primals = (q, k, v) + ((beta,) if offset else ())
-  loss = lambda *a: float(np.sum(w * reference(*a[:3], a[3] if offset else None, case)))
+  loss = lambda *a: float(np.sum(w * ref(*a[:3], a[3] if offset else None)))
   derivs = [ind.directional_derivative(loss, primals, i, dirs[i]) for i in range(len(primals))]
   names = ["q", "k", "v", "far_offset"][:len(primals)]
   check_directional(grads, derivs, dirs[:len(primals)], rtol=GRAD_TOL[dtype], name=names)
@@ -98,6 +112,13 @@ def test_forward_and_grads_far_offset_f32():
     (24, "radius2", True), (48, "no_bias", False)])
 def test_forward_and_grads(dtype, d, case, offset):
   check_case(dtype, d, case, offset)
+
+
+@pytest.mark.slow
+def test_two_summary_blocks():
+  """75 cubes of one token each: the far stream walks two blocks of 64 summaries (the
+  second one partly padding), the summary kernel runs two programs per head."""
+  check_case(F32, 16, "default", True, layout="sparse")
 
 
 def _custom_calls(device_kind: str, dtype, block_shape=BLOCK):
