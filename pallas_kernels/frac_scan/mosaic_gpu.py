@@ -1,23 +1,23 @@
 """FRAC scan on Hopper GPUs (Mosaic GPU, jax >= 0.11.2): WGMMA with float32 accumulators, one
-warpgroup per program, grid (group g, block pb of 64 columns of P, block mb of modes).
+warpgroup per program, grid (group g, block pb of 64 columns of P, block mb of modes[, chunk]).
 
-A program walks the chunks of its group in a pipeline (`plgpu.emit_pipeline`: TMA copies of
-the next chunk overlap this one), carrying its m_block states in registers. WGMMA wants
-M = 64 rows, so a chunk is Q = 64 tokens (the token axis is M of the [Q, *] products) and
-the states are kept transposed, S_j^T [64, N] (P is M of the state update; N = 16 is a
-legal WGMMA N). Per chunk, with the notation of `jaxops.frac_chunk`::
+WGMMA wants M = 64 rows, so a chunk is Q = 64 tokens (the token axis is M of the [Q, *]
+products) and the states are kept transposed, S_j^T [64, N] (P is M of the state update;
+N = 16 is a legal WGMMA N). Per chunk, with the notation of `jaxops.frac_chunk`::
 
   cb     = c bd^T                                    [Q, Q]   (c, bd: A and B^T in SMEM)
   y      = (cb * Lmix) x  +  sum_j (c * w_j e^{-r_j t}) S_j
   S_j^T <- e^{-r_j t_Q} S_j^T  +  (x^T * e^{-r_j (t_Q - t)}) bd      [64, N]
 
-The backward has the terms of `frac_chunk.chunk_backward` in two kernels (one alone holds
-too many values for the register file): the terms inside a chunk (through cb and Lmix; no
-state, chunks in any order), and the state terms, a walk from the last chunk carrying the
-states' cotangents and reading the saved chunk-start states (the op's shared format,
-`TilePlan`). Their per-token and per-mode results are shares, which XLA adds (as the
-Triton kernel's). Registers (ptxas, H100, the benchmark shape, bf16): forward 243, no
-spills; backward 255 each, spilling 40 B (chunks) and 460 B (states).
+Each direction is two kernels, whose per-token and per-mode results are shares that XLA
+adds (as the Triton kernel's): the terms inside a chunk (through cb and Lmix: no state, so
+a program per chunk and all modes, which fills the GPU however few the groups), and the
+state terms, a walk over the chunks (`plgpu.emit_pipeline`: TMA copies of the next chunk
+overlap this one) carrying a block of modes' states (forward) or their cotangents
+(backward, from the last chunk, reading the saved chunk-start states: the op's shared
+format, `TilePlan`) in registers. One kernel per direction would hold too many values for
+the register file. Registers (ptxas, H100, the benchmark shape, bf16): forward 143 (chunks)
+and 195 (walk), no spills; backward 255 each, spilling 80 B (chunks) and 460 B (walk).
 
 Operands. WGMMA reads B (and here A) from shared memory; values computed in registers are
 written there first. Every operand is in the input dtype: products of bf16 inputs run on
@@ -89,11 +89,14 @@ class _Grid:
     return self.plan.m_pad // self.m_block
 
 
-def _grid(plan: TilePlan, blocks) -> _Grid:
-  """m_block: the tuned count (4 at N = 16), halved for each doubling of N (>= 16, a power of
-  two): a program's states, their operands and staging scale with m_block * N, and 4 x 32
+def _grid(plan: TilePlan, blocks, all_modes: bool) -> _Grid:
+  """m_block: every mode (the in-chunk kernels: no states, and Lmix sums the modes), or (the
+  state walks) the tuned count (4 at N = 16), halved for each doubling of N (>= 16, a power
+  of two): a program's states, their operands and staging scale with m_block * N, and 4 x 32
   overflows the backward's shared memory (246 KiB > 227 KiB)."""
   assert unsupported(plan) is None, plan  # frac_scan checks it
+  if all_modes:
+    return _Grid(plan, plan.m_pad)
   return _Grid(plan, min(blocks.m_block, plan.m_align, max(1, 64 // plan.n)))
 
 
@@ -229,9 +232,9 @@ class _Kernel:
   """What the forward and backward kernels share: the plan, the operand layouts and the
   per-program state I/O (states [64, n] float32 in registers, transposed)."""
 
-  def __init__(self, plan: TilePlan, blocks, x):
+  def __init__(self, plan: TilePlan, blocks, x, *, all_modes: bool = False):
     self.plgpu = plgpu = mosaic_gpu_module()
-    self.plan, self.grid = plan, _grid(plan, blocks)
+    self.plan, self.grid = plan, _grid(plan, blocks, all_modes)
     self.low, self.n, self.mb = x.dtype, plan.n, self.grid.m_block
     self.groups, self.stages = x.shape[0], blocks.num_stages
     self.transforms = _transforms(plgpu, self.low, self.n, CHUNK, COLUMNS)
@@ -290,11 +293,15 @@ class _Kernel:
     return _Decays(self.plgpu, t_s, rates_ref.at[g], weights_ref.at[g],
                    lax.axis_index("mb") * self.mb)
 
-  def call(self, kernel, out_type, scratch, name, interpret, *args):
+  def call(self, kernel, out_type, scratch, name, interpret, *args, per_chunk=False):
+    """Runs `kernel` on the grid (g, pb, mb), with a fourth axis "c" over the chunks if
+    `per_chunk` (one chunk a program)."""
     plgpu, grid = self.plgpu, self.grid
+    extra = ((grid.chunks,), ("c",)) if per_chunk else ((), ())
     return plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch + [plgpu.Barrier(num_barriers=1)],
-        grid=(self.groups, grid.p // COLUMNS, grid.m_blocks), grid_names=("g", "pb", "mb"),
+        grid=(self.groups, grid.p // COLUMNS, grid.m_blocks) + extra[0],
+        grid_names=("g", "pb", "mb") + extra[1],
         compiler_params=_params(plgpu), interpret=_interpret(plgpu, interpret),
         kernel_name=name)(*args)
 
@@ -304,25 +311,78 @@ def _f32(shape):
 
 
 # ----------------------------------------------------------------------------
-# Forward.
+# Forward: two kernels, whose shares of y XLA adds.
 # ----------------------------------------------------------------------------
 
 def forward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, state, *,
             save_starts: bool):
+  """y = (cb * Lmix) x (`_forward_intra`, a program per chunk and all modes) plus the state
+  terms and the states themselves (`_forward_states`, the walk over the chunks)."""
   k = _Kernel(plan, blocks, x)
+  grid = k.grid
+  args = (*_inputs(grid, x, bd, c, t), modes.rates[:, 0], modes.weights[:, 0])
+  y_intra = _forward_intra(_Kernel(plan, blocks, x, all_modes=True), interpret, *args)
+  y_states, final, starts = _forward_states(k, interpret, save_starts, *args,
+                                            _state_t(grid, state))
+  y = jnp.sum(y_intra, axis=1) + jnp.sum(y_states, axis=1)
+  y = y[:, :plan.length, :plan.p].astype(k.low)
+  starts = _state_shared(grid, starts) if save_starts else None
+  return y, _state_shared(grid, final), starts
+
+
+def _y_shape(k: _Kernel):
+  """y's shares, one per mode block: [G, m_blocks, length, P64]."""
+  return _f32((k.groups, k.grid.m_blocks, k.grid.length, k.grid.p))
+
+
+def _write_y(k: _Kernel, y, y_s, y_ref, i):
+  """Stages chunk i's share of y [Q, 64] and copies it out (after the last copy read y_s)."""
+  plgpu = k.plgpu
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  y_s[...] = y
+  plgpu.commit_smem()
+  g, mb = lax.axis_index("g"), lax.axis_index("mb")
+  plgpu.copy_smem_to_gmem(y_s, y_ref.at[g, mb, pl.ds(i * CHUNK, CHUNK), k.columns()])
+
+
+def _forward_intra(k: _Kernel, interpret, *args):
+  """(cb * Lmix) x, cb = c bd^T: a program per chunk (k: all modes in one block)."""
+  plgpu, q, w, mb_size = k.plgpu, CHUNK, COLUMNS, k.mb
+
+  def kernel(xt_ref, c_ref, bd_ref, t_ref, rates_ref, weights_ref, y_ref, pm_s, y_s, _):
+    g, chunk = lax.axis_index("g"), lax.axis_index("c")
+
+    def step(_, xt_s, c_s, bd_s, t_s):
+      dec = k.decays(t_s, rates_ref, weights_ref)
+      (cb,) = _products(plgpu, (q, q), [(c_s, bd_s.transpose((1, 0)))])
+      _store(plgpu, [(pm_s, cb * dec.lmix(mb_size))])
+      (y,) = _products(plgpu, (q, w), [(pm_s, xt_s.transpose((1, 0)))])
+      _write_y(k, y, y_s, y_ref, chunk)
+
+    plgpu.emit_pipeline(step, grid=(1,), in_specs=k.token_specs(lambda i: chunk + i))(
+        xt_ref.at[g], c_ref.at[g], bd_ref.at[g], t_ref.at[g])
+    plgpu.wait_smem_to_gmem(0)
+
+  return k.call(kernel, _y_shape(k), [k.operand((q, q)), k.staging((q, w))],
+                "frac_scan_fwd_intra", interpret, *args, per_chunk=True)
+
+
+def _forward_states(k: _Kernel, interpret, save_starts: bool, *args):
+  """The walk over the chunks: y's state terms sum_j (c * w_j e^{-r_j t}) S_j and the
+  update S_j^T <- e^{-r_j t_Q} S_j^T + (x^T * e^{-r_j (t_Q - t)}) bd, saving each chunk's
+  start states when `save_starts`. Returns (y's shares, final states, starts or None), the
+  states transposed ([..., m_pad, P64, n])."""
   plgpu, grid, q, w, n, mb_size = k.plgpu, k.grid, CHUNK, COLUMNS, k.n, k.mb
 
   def kernel(xt_ref, c_ref, bd_ref, t_ref, rates_ref, weights_ref, s0_ref, y_ref, s_ref,
              *rest):
-    starts_ref, (pm_s, cg_s, st_s, xo_s, y_s, starts_s, f32_s, bar) = (
+    starts_ref, (cg_s, st_s, xo_s, y_s, starts_s, f32_s, bar) = (
         (rest[0], rest[1:]) if save_starts else (None, rest))
-    g, mb, cols = lax.axis_index("g"), lax.axis_index("mb"), k.columns()
+    g = lax.axis_index("g")
 
     def step(idx, xt_s, c_s, bd_s, t_s, states):
       (i,) = idx
       dec = k.decays(t_s, rates_ref, weights_ref)
-      (cb,) = _products(plgpu, (q, q), [(c_s, bd_s.transpose((1, 0)))])
-      _store(plgpu, [(pm_s, cb * dec.lmix(mb_size))])
       c_f, xt_f = _load(plgpu, c_s), _load(plgpu, xt_s)
       for j, s in enumerate(states):
         rate, weight = dec.mode(j)
@@ -332,21 +392,16 @@ def forward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, state,
       news = _products(plgpu, (w, n), [(xo_s.at[j], bd_s) for j in range(mb_size)])
 
       def y_run(acc):
-        plgpu.wgmma(acc, pm_s, xt_s.transpose((1, 0)))
         for j in range(mb_size):
           plgpu.wgmma(acc, cg_s.at[j], st_s.at[j].transpose((1, 0)))
         return acc[...]
 
-      y = pl.run_scoped(y_run, plgpu.ACC((q, w), _F32))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's copies have read
-      y_s[...] = y
-      if save_starts:
+      _write_y(k, pl.run_scoped(y_run, plgpu.ACC((q, w), _F32)), y_s, y_ref, i)
+      if save_starts:  # _write_y waited for every earlier copy, starts_s's too
         for j, s in enumerate(states):
           starts_s[j] = s
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(y_s, y_ref.at[g, mb, pl.ds(i * q, q), cols])
-      if save_starts:
-        plgpu.copy_smem_to_gmem(starts_s, starts_ref.at[g, i, k.modes(), cols])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(starts_s, starts_ref.at[g, i, k.modes(), k.columns()])
       return tuple(dec.keep(dec.mode(j)[0]) * s + new
                    for j, (s, new) in enumerate(zip(states, news)))
 
@@ -356,19 +411,14 @@ def forward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, state,
     )(xt_ref.at[g], c_ref.at[g], bd_ref.at[g], t_ref.at[g])
     k.write_states(final, s_ref.at[g], f32_s)
 
-  state_t = (k.groups, plan.m_pad, grid.p, n)
-  out_type = [_f32((k.groups, grid.m_blocks, grid.length, grid.p)), _f32(state_t)]
+  state_t = (k.groups, k.plan.m_pad, grid.p, n)
+  out_type = [_y_shape(k), _f32(state_t)]
   if save_starts:
     out_type.append(_f32((k.groups, grid.chunks) + state_t[1:]))
-  scratch = [k.operand((q, q)), k.operand((mb_size, q, n)), k.operand((mb_size, w, n)),
-             k.operand((mb_size, w, q)), k.staging((q, w)), k.staging((mb_size, w, n)),
-             k.staging((mb_size, w, n))]
-  outs = k.call(kernel, out_type, scratch, "frac_scan_fwd", interpret,
-                *_inputs(grid, x, bd, c, t), modes.rates[:, 0], modes.weights[:, 0],
-                _state_t(grid, state))
-  y = jnp.sum(outs[0], axis=1)[:, :plan.length, :plan.p].astype(k.low)
-  starts = _state_shared(grid, outs[2]) if save_starts else None
-  return y, _state_shared(grid, outs[1]), starts
+  scratch = [k.operand((mb_size, q, n)), k.operand((mb_size, w, n)), k.operand((mb_size, w, q)),
+             k.staging((q, w)), k.staging((mb_size, w, n)), k.staging((mb_size, w, n))]
+  outs = k.call(kernel, out_type, scratch, "frac_scan_fwd_states", interpret, *args)
+  return outs[0], outs[1], outs[2] if save_starts else None
 
 
 # ----------------------------------------------------------------------------
@@ -378,8 +428,8 @@ def forward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, state,
 def backward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, starts, dy, dstate):
   """The gradients as `frac_chunk.chunk_backward`'s, in two kernels (one alone holds too
   many [Q, Q] and state values for the register file): `_intra` (the terms inside a chunk,
-  through cb and Lmix; no state, chunks in any order) and `_through_states` (the terms of
-  the M states, chunk by chunk from the last, carrying their cotangents).
+  through cb and Lmix; a program per chunk) and `_through_states` (the terms of the M
+  states, chunk by chunk from the last, carrying their cotangents).
 
   Per-token results of t and the mode cotangents come out as vectors whose totals (or sums
   with other programs' shares) XLA takes: for t, the terms at t_t [Q] (rows), at t_tau [Q]
@@ -392,10 +442,10 @@ def backward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, start
   xt, c_in, bd_in, t_in = _inputs(grid, x, bd, c, t)
   dy_in = jnp.pad(_pad_tokens(grid, dy), ((0, 0), (0, 0), (0, grid.p - plan.p))).astype(k.low)
   args = (xt, c_in, bd_in, t_in, modes.rates[:, 0], modes.weights[:, 0], dy_in)
-  dx, dc, dbd, dt_a, dmodes = _intra(k, interpret, *args)
+  dx, dc, dbd, dt_a, dmodes = _intra(_Kernel(plan, blocks, x, all_modes=True), interpret, *args)
   dx_s, dc_s, dbd_s, dt_b, dmodes_s, ds0 = _through_states(
       k, interpret, *args, _state_t(grid, starts), _state_t(grid, dstate))
-  tokens = lambda a, b: jnp.sum(a + b, axis=1)[:, :plan.length]
+  tokens = lambda a, b: (jnp.sum(a, axis=1) + jnp.sum(b, axis=1))[:, :plan.length]
   dt_a, dt_b = jnp.sum(dt_a, axis=1), jnp.sum(dt_b, axis=1)
   ends = jnp.sum(dt_b[:, 1].reshape(k.groups, grid.chunks, CHUNK), axis=-1)
   dt_kernel = (dt_a[:, 0] + dt_a[:, 1] + dt_b[:, 0]).reshape(k.groups, grid.chunks, CHUNK)
@@ -403,7 +453,8 @@ def backward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, start
   # t was padded with its last value: that value's cotangent collects the padding's.
   _, pad_vjp = jax.vjp(lambda a: _pad_tokens(grid, a, mode="edge"), t[..., 0])
   (dt,) = pad_vjp(dt_kernel)
-  dmodes = jnp.sum(dmodes + dmodes_s, axis=(1, 4))[:, :, None]       # [G, 2, 1, m_pad]
+  dmodes = jnp.sum(dmodes, axis=1) + dmodes_s                         # over the chunks
+  dmodes = jnp.sum(dmodes, axis=(1, 4))[:, :, None]                  # [G, 2, 1, m_pad]
   return (tokens(dx, dx_s)[..., :plan.p], tokens(dbd, dbd_s), tokens(dc, dc_s), dt[..., None],
           Modes(dmodes[:, 1], dmodes[:, 0]), _state_shared(grid, ds0))
 
@@ -411,16 +462,18 @@ def backward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, start
 class _Grads:
   """The backward kernels' per-token outputs and their staging buffers: dx [Q, 64] (this
   mode block's share), dc and dbd [Q, N] and two [Q] vectors of t (this program's share);
-  and the per-mode vectors [2, m_block, 64] (weights, rates) written once at the end."""
+  and the per-mode vectors [2, m_block, 64] (weights, rates) written once at the end, per
+  chunk where a program has one chunk."""
 
-  def __init__(self, k: _Kernel):
+  def __init__(self, k: _Kernel, per_chunk: bool):
     self.k = k
     q, w, n, groups, grid = CHUNK, COLUMNS, k.n, k.groups, k.grid
     shares = grid.p // w * grid.m_blocks
     tokens = (groups, shares, grid.length)
+    chunks = (grid.chunks,) if per_chunk else ()
     self.out_type = [_f32((groups, grid.m_blocks, grid.length, grid.p)), _f32(tokens + (n,)),
                      _f32(tokens + (n,)), _f32((groups, shares, 2, grid.length)),
-                     _f32((groups, grid.p // w, 2, k.plan.m_pad, q))]
+                     _f32((groups,) + chunks + (grid.p // w, 2, k.plan.m_pad, q))]
     self.scratch = [k.staging((q, w)), k.staging((q, n)), k.staging((q, n)),
                     k.plgpu.SMEM((2, q), _F32), k.plgpu.SMEM((2, k.mb, q), _F32)]
 
@@ -442,13 +495,13 @@ class _Grads:
     plgpu.copy_smem_to_gmem(dt_s, dt_ref.at[g, share, :, tokens])
 
   def write_modes(self, ref, buf, dweights, drates):
+    """Into ref [P64 / 64, 2, m_pad, 64] (this group's, or this group's and chunk's)."""
     plgpu = self.k.plgpu
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for j, (dw, dr) in enumerate(zip(dweights, drates)):
       buf[0, j], buf[1, j] = dw, dr
     plgpu.commit_smem()
-    g, pb = lax.axis_index("g"), lax.axis_index("pb")
-    plgpu.copy_smem_to_gmem(buf, ref.at[g, pb, :, self.k.modes()])
+    plgpu.copy_smem_to_gmem(buf, ref.at[lax.axis_index("pb"), :, self.k.modes()])
 
 
 def _zeros(plgpu, axis):
@@ -459,16 +512,19 @@ def _zeros(plgpu, axis):
 def _intra(k: _Kernel, interpret, *args):
   """Inside each chunk: dx = (cb Lmix)^T dy, dc = (dscores Lmix) bd, dbd = (dscores Lmix)^T c
   with dscores = dy x^T, and the cotangents through Lmix = sum_j w_j exp(-r_j delta):
-  of w_j, r_j, and of t (d(delta)'s row sums at t_t, minus its column sums at t_tau)."""
-  plgpu, grid, q, w, n, mb_size = k.plgpu, k.grid, CHUNK, COLUMNS, k.n, k.mb
-  out = _Grads(k)
+  of w_j, r_j, and of t (d(delta)'s row sums at t_t, minus its column sums at t_tau).
+  Nothing is carried between chunks: a program per chunk (grid axis "c") and all modes
+  (k), so the GPU is full however few the groups (a one-step pipeline: its TMA copies and
+  buffers); each mode's vectors go to shared memory as they are made."""
+  plgpu, q, w, n, mb_size = k.plgpu, CHUNK, COLUMNS, k.n, k.mb
+  out = _Grads(k, per_chunk=True)
 
   def kernel(xt_ref, c_ref, bd_ref, t_ref, rates_ref, weights_ref, dy_ref, *rest):
     refs, (pm_s, dcb_s, *bufs, _) = rest[:5], rest[5:]
-    g, pb = lax.axis_index("g"), lax.axis_index("pb")
+    g, pb, chunk = lax.axis_index("g"), lax.axis_index("pb"), lax.axis_index("c")
+    dmodes_s = bufs[4]
 
-    def step(idx, xt_s, c_s, bd_s, t_s, dy_s, carry):
-      dweights, drates = (list(c) for c in carry)
+    def step(_, xt_s, c_s, bd_s, t_s, dy_s):
       dec = k.decays(t_s, rates_ref, weights_ref)
       lmix = dec.lmix(mb_size)
       cb, dscores = _products(plgpu, (q, q), [(c_s, bd_s.transpose((1, 0))), (dy_s, xt_s)])
@@ -479,26 +535,24 @@ def _intra(k: _Kernel, interpret, *args):
         rate, weight = dec.mode(j)
         gl = dlmix * dec.decay(rate)
         rows = jnp.sum(gl, axis=1)
-        dweights[j] += rows
-        drates[j] -= weight * jnp.sum(gl * dec.delta, axis=1)
+        dmodes_s[0, j] = rows
+        dmodes_s[1, j] = -weight * jnp.sum(gl * dec.delta, axis=1)
         dt_rows -= (weight * rate) * rows
         dt_cols += (weight * rate) * jnp.sum(gl, axis=0)
       dc, dbd = _products(plgpu, (q, n), [(dcb_s, bd_s), (dcb_s.transpose((1, 0)), c_s)])
       (dx,) = _products(plgpu, (q, w), [(pm_s.transpose((1, 0)), dy_s)])
-      out.write_chunk(refs, bufs, idx[0], dx, dc, dbd, dt_rows, dt_cols)
-      return tuple(dweights), tuple(drates)
+      out.write_chunk(refs, bufs, chunk, dx, dc, dbd, dt_rows, dt_cols)  # fences dmodes_s too
+      plgpu.copy_smem_to_gmem(dmodes_s, refs[4].at[g, chunk, pb])
 
-    zeros = (_zeros(plgpu, 1),) * mb_size
-    dweights, drates = plgpu.emit_pipeline(
-        step, grid=(grid.chunks,),
-        in_specs=k.token_specs(lambda i: i) + [k.spec((q, w), lambda i: (i, pb))],
-        max_concurrent_steps=k.stages, init_carry=(zeros, zeros),
+    plgpu.emit_pipeline(
+        step, grid=(1,),
+        in_specs=k.token_specs(lambda i: chunk + i) + [k.spec((q, w), lambda i: (chunk + i, pb))],
     )(xt_ref.at[g], c_ref.at[g], bd_ref.at[g], t_ref.at[g], dy_ref.at[g])
-    out.write_modes(refs[4], bufs[4], dweights, drates)
     plgpu.wait_smem_to_gmem(0)
 
   scratch = [k.operand((q, q)), k.operand((q, q))] + out.scratch
-  return k.call(kernel, out.out_type, scratch, "frac_scan_bwd_intra", interpret, *args)
+  return k.call(kernel, out.out_type, scratch, "frac_scan_bwd_intra", interpret, *args,
+                per_chunk=True)
 
 
 def _through_states(k: _Kernel, interpret, *args):
@@ -507,7 +561,7 @@ def _through_states(k: _Kernel, interpret, *args):
   S_j' = e^{-r_j t_Q} S_j + (bd * e^{-r_j (t_Q - t)})^T x, the cotangents of c, bd, x, the
   decays (into w_j, r_j, t) and S_j."""
   plgpu, grid, q, w, n, mb_size = k.plgpu, k.grid, CHUNK, COLUMNS, k.n, k.mb
-  out = _Grads(k)
+  out = _Grads(k, per_chunk=False)
   last = grid.chunks - 1
 
   def kernel(xt_ref, c_ref, bd_ref, t_ref, rates_ref, weights_ref, dy_ref, starts_ref, ds_ref,
@@ -568,7 +622,7 @@ def _through_states(k: _Kernel, interpret, *args):
         max_concurrent_steps=k.stages,
         init_carry=(k.load_states(ds_ref.at[g], f32_s, bar), zeros, zeros),
     )(xt_ref.at[g], c_ref.at[g], bd_ref.at[g], t_ref.at[g], dy_ref.at[g], starts_ref.at[g])
-    out.write_modes(refs[4], bufs[4], dweights, drates)
+    out.write_modes(refs[4].at[g], bufs[4], dweights, drates)
     k.write_states(dstates, ds0_ref.at[g], f32_s)
 
   out_type = out.out_type + [_f32((k.groups, k.plan.m_pad, grid.p, n))]
