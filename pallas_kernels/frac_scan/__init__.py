@@ -13,8 +13,9 @@ State and decays are float32 whatever the input dtype; matmuls of bf16 inputs ru
 bf16 with float32 accumulation. Files: `blocks.py` (launch shape and tuned table),
 `mosaic.py` (TPU: grid (group, chunk), state in VMEM scratch), `triton.py` (GPU: grid
 (group, column block of P), a loop over chunks with the states in registers),
-`mosaic_gpu.py` (Hopper GPUs, jax >= 0.11.2: 64-token chunks as WGMMA's M, TMA pipelines,
-transposed states in registers; the backward in two kernels).
+`mosaic_gpu.py` (Hopper GPUs, jax >= 0.11.2: 64-token chunks as WGMMA's M, transposed
+states in registers; each direction in two kernels, the in-chunk terms a program per chunk,
+the state walk a TMA pipeline over the chunks).
 
 `frac_scan` is the one public entry point; it dispatches with
 `jax.lax.platform_dependent`: Mosaic on TPU; on a CUDA GPU Mosaic GPU for 16-bit inputs on
