@@ -56,12 +56,16 @@ def check(backend: str, dtype, length: int, tol: float) -> bool:
                        jax.tree.leaves(fast), jax.tree.leaves(ref), tol)
 
 
-def timing(length: int, dtype, batch: int, backends) -> None:
-  """Each kernel body (its default chunk: 32 Triton, 64 Mosaic GPU) and the XLA path."""
+def timing(length: int, dtype, batch: int, backends, mode_blocks=()) -> None:
+  """Each kernel body (its default chunk: 32 Triton, 64 Mosaic GPU; tuned blocks) and the
+  XLA path; with `mode_blocks`, Mosaic GPU also with those modes per state-walk program
+  (fewer: more programs, shorter steps; the tuned entry has 2)."""
   args = inputs(length, dtype, batch)[:6]
   names = {"triton": "Triton kernel", "mosaic_gpu": "Mosaic GPU kernel"}
   paths = {names[b]: functools.partial(kernel.frac_scan, backend=b, interpret=False)
            for b in backends}
+  paths.update({f"Mosaic GPU m_block={m}": functools.partial(
+      kernel.frac_scan, backend="mosaic_gpu", interpret=False, m_block=m) for m in mode_blocks})
   paths["XLA chunked"] = ops.frac_scan
   times = {}
   for name, op in paths.items():
@@ -71,7 +75,7 @@ def timing(length: int, dtype, batch: int, backends) -> None:
     times[name] = (wall_seconds(fwd, *args, repeats=10), wall_seconds(step, *args, repeats=10))
   base = times["XLA chunked"]
   for name, (fwd_s, step_s) in times.items():
-    print(f"  B={batch} L={length} {jnp.dtype(dtype).name} {name:17s} fwd {fwd_s * 1e3:7.2f} ms"
+    print(f"  B={batch} L={length} {jnp.dtype(dtype).name} {name:22s} fwd {fwd_s * 1e3:7.2f} ms"
           f"  fwd+bwd {step_s * 1e3:7.2f} ms  (XLA/this: fwd {base[0] / fwd_s:.2f}x,"
           f" fwd+bwd {base[1] / step_s:.2f}x)", flush=True)
 
@@ -97,6 +101,8 @@ def main(argv) -> int:
       ok = False
   for length in (4096, 16384):
     timing(length, jnp.bfloat16, batch=8, backends=backends)
+  if "mosaic_gpu" in backends:  # one batch element: 4 groups, few state-walk programs
+    timing(16384, jnp.bfloat16, batch=1, backends=backends, mode_blocks=(1, 4))
   return 0 if ok else 1
 
 

@@ -16,8 +16,8 @@ state terms, a walk over the chunks (`plgpu.emit_pipeline`: TMA copies of the ne
 overlap this one) carrying a block of modes' states (forward) or their cotangents
 (backward, from the last chunk, reading the saved chunk-start states: the op's shared
 format, `TilePlan`) in registers. One kernel per direction would hold too many values for
-the register file. Registers (ptxas, H100, the benchmark shape, bf16): forward 143 (chunks)
-and 195 (walk), no spills; backward 255 each, spilling 80 B (chunks) and 460 B (walk).
+the register file. Registers (ptxas, H100, the benchmark shape, bf16, tuned blocks): forward
+143 (chunks) and 148 (walk), backward 255 (chunks, spilling 80 B) and 241 (walk).
 
 Operands. WGMMA reads B (and here A) from shared memory; values computed in registers are
 written there first. Every operand is in the input dtype: products of bf16 inputs run on
@@ -91,9 +91,9 @@ class _Grid:
 
 def _grid(plan: TilePlan, blocks, all_modes: bool) -> _Grid:
   """m_block: every mode (the in-chunk kernels: no states, and Lmix sums the modes), or (the
-  state walks) the tuned count (4 at N = 16), halved for each doubling of N (>= 16, a power
-  of two): a program's states, their operands and staging scale with m_block * N, and 4 x 32
-  overflows the backward's shared memory (246 KiB > 227 KiB)."""
+  state walks) the tuned count, at most 64 / N (N >= 16, a power of two): a program's
+  states, their operands and staging scale with m_block * N, and 4 modes at N = 32 overflow
+  the backward's shared memory (246 KiB > 227 KiB)."""
   assert unsupported(plan) is None, plan  # frac_scan checks it
   if all_modes:
     return _Grid(plan, plan.m_pad)
