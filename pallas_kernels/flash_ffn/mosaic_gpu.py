@@ -37,23 +37,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.dispatch import mosaic_gpu_module
 from pallas_kernels.flash_ffn.tiles import TilePlan, activation_grads, weighted_activation
+from pallas_kernels.mosaic_gpu_common import (compiler_params, interpret_params, products,
+                                              smem_transforms, store_operands)
 
 _F32 = jnp.float32
-
-
-def _transforms(plgpu, dtype, *minors: int):
-  """Tiling and swizzle of a kernel's shared-memory operands, whose minor dims hold `minors`
-  elements: the largest swizzle that suits them all."""
-  bits = jnp.dtype(dtype).itemsize * 8
-  swizzle = min(plgpu.find_swizzle(m * bits) for m in minors)
-  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
-
-
-def _interpret(plgpu, interpret):
-  """The kernel's `interpret` argument: None compiles, else interpreter parameters."""
-  if interpret is True:
-    return plgpu.InterpretGPUParams()
-  return interpret or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,24 +56,6 @@ class _Layout:
 
   def rows(self, ref, h, start, count):
     return self.head(ref, h).at[pl.ds(start, count)]
-
-
-def _products(plgpu, shape, pairs):
-  """[a_i @ b_i for (a_i, b_i) in pairs]: float32 [M, N] values, each in its own
-  zero-initialised WGMMA accumulator; reading them waits for the matmuls."""
-  def run(*accs):
-    for acc, (a, b) in zip(accs, pairs):
-      plgpu.wgmma(acc, a, b)
-    return tuple(acc[...] for acc in accs)
-  return pl.run_scoped(run, *(plgpu.ACC(shape, _F32) for _ in pairs))
-
-
-def _store_operands(plgpu, pairs):
-  """Writes register values to the shared-memory buffers WGMMA reads its A operand from
-  (in the input dtype) and fences them for WGMMA's async proxy."""
-  for buf, value in pairs:
-    buf[...] = value.astype(buf.dtype)
-  plgpu.commit_smem()
 
 
 def _operand(plgpu, shape, dtype, transforms):
@@ -105,15 +74,11 @@ def _table_specs(plgpu, bi: int, d: int, transforms):
           lambda: plgpu.BlockSpec((None, d, bi), lambda e, c: (e, 0, c), transforms=transforms))
 
 
-def _params(plgpu):
-  return plgpu.CompilerParams(approx_math=False)
-
-
 def forward(plan: TilePlan, q, r, k, u, v, interpret):
   plgpu = mosaic_gpu_module()
   bq, bi, d, steps = plan.blocks.block_q, plan.blocks.block_inter, plan.d_h, plan.blocks.num_stages
   dtype, layout, wide = q.dtype, _Layout(plan.flat, d), _two_byte(q.dtype)
-  transforms = _transforms(plgpu, dtype, d, bi)
+  transforms = smem_transforms(plgpu, dtype, d, bi)
   table, table_t = _table_specs(plgpu, bi, d, transforms)
   # V is B of (a @ V): [bi, d] as stored for 16-bit; float32 reads V^T [d, bi] (K-major).
   v_in, v_spec = (v, table()) if wide else (jnp.swapaxes(v, 2, 3), table_t())
@@ -127,10 +92,10 @@ def forward(plan: TilePlan, q, r, k, u, v, interpret):
 
     def run(acc):
       def step(idx, k_s, u_s, v_s):
-        m, n = _products(plgpu, (bq, bi), [(q_s, k_s.transpose((1, 0))),
+        m, n = products(plgpu, (bq, bi), [(q_s, k_s.transpose((1, 0))),
                                            (q_s, u_s.transpose((1, 0)))])
         r_e = lax.broadcast_in_dim(r_s[idx[0]], (bq, bi), [0])
-        _store_operands(plgpu, [(a_s, weighted_activation(m, n, r_e))])
+        store_operands(plgpu, [(a_s, weighted_activation(m, n, r_e))])
         plgpu.wgmma(acc, a_s, v_s if wide else v_s.transpose((1, 0)))
         plgpu.wgmma_wait(0)  # a_s and the tiles' slots are reused
 
@@ -153,7 +118,7 @@ def forward(plan: TilePlan, q, r, k, u, v, interpret):
                      _operand(plgpu, (bq, bi), dtype, transforms),
                      plgpu.Barrier(num_barriers=2)],
       grid=(plan.heads, plan.tokens // bq), grid_names=("h", "i"),
-      compiler_params=_params(plgpu), interpret=_interpret(plgpu, interpret),
+      compiler_params=compiler_params(plgpu), interpret=interpret_params(plgpu, interpret),
       kernel_name="flash_ffn_fwd",
   )(q, r, k, u, v_in)
 
@@ -169,7 +134,7 @@ def backward(plan: TilePlan, q, r, r_dkuv, k, u, v, ds, interpret):
 def _dq_dr(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
   bq, bi, d, steps = plan.blocks.block_q, plan.blocks.block_inter, plan.d_h, plan.blocks.num_stages
   dtype, layout, wide = q.dtype, _Layout(plan.flat, d), _two_byte(q.dtype)
-  transforms = _transforms(plgpu, dtype, d, bi)
+  transforms = smem_transforms(plgpu, dtype, d, bi)
   # K and U are also B of (dm @ K), (dn @ U): float32 reads them again as K^T, U^T.
   extra = () if wide else (jnp.swapaxes(k, 2, 3), jnp.swapaxes(u, 2, 3))
   table, table_t = _table_specs(plgpu, bi, d, transforms)
@@ -187,7 +152,7 @@ def _dq_dr(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
     def run(acc):
       def step(idx, k_s, u_s, v_s, *t_s):
         e, c = idx
-        m, n, da = _products(plgpu, (bq, bi), [(q_s, k_s.transpose((1, 0))),
+        m, n, da = products(plgpu, (bq, bi), [(q_s, k_s.transpose((1, 0))),
                                                (q_s, u_s.transpose((1, 0))),
                                                (ds_s, v_s.transpose((1, 0)))])
         r_e = lax.broadcast_in_dim(r_s[e], (bq, bi), [0])
@@ -202,7 +167,7 @@ def _dq_dr(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
         def _():
           dr_s[e] = dr_s[e] + dr_e
 
-        _store_operands(plgpu, [(dm_s, dm), (dn_s, dn)])
+        store_operands(plgpu, [(dm_s, dm), (dn_s, dn)])
         k_b, u_b = (k_s, u_s) if wide else (t.transpose((1, 0)) for t in t_s)
         plgpu.wgmma(acc, dm_s, k_b)
         plgpu.wgmma(acc, dn_s, u_b)
@@ -232,7 +197,7 @@ def _dq_dr(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
                      _operand(plgpu, (bq, bi), dtype, transforms),
                      plgpu.Barrier(num_barriers=3)],
       grid=(plan.heads, plan.tokens // bq), grid_names=("h", "i"),
-      compiler_params=_params(plgpu), interpret=_interpret(plgpu, interpret),
+      compiler_params=compiler_params(plgpu), interpret=interpret_params(plgpu, interpret),
       kernel_name="flash_ffn_bwd_dq",
   )(q, r, ds, k, u, v, *extra)
 
@@ -248,7 +213,7 @@ def _dkuv_passes(rows: int, d: int):
 def _dkuv(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
   bk, bi, d, steps = plan.blocks.block_q_dkv, plan.rows_dkuv, plan.d_h, plan.blocks.num_stages
   dtype, layout, wide = q.dtype, _Layout(plan.flat, d), _two_byte(q.dtype)
-  transforms = _transforms(plgpu, dtype, d, bk)
+  transforms = smem_transforms(plgpu, dtype, d, bk)
   passes = _dkuv_passes(bi, d)
 
   # q and ds are also B of (dm^T @ q), (dn^T @ q), ((r a)^T @ ds): float32 reads them again
@@ -287,7 +252,7 @@ def _dkuv(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
         s = dict(zip(names, refs))
         q_t = s["q"].transpose((1, 0))
         pairs = [(k_s, q_t), (u_s, q_t)] + ([(v_s, s["ds"].transpose((1, 0)))] if kuv else [])
-        scores = _products(plgpu, (bi, bk), pairs)
+        scores = products(plgpu, (bi, bk), pairs)
         r_e = lax.broadcast_in_dim(s["r"][...], (bi, bk), [1])
         operands = []
         if kuv:
@@ -297,7 +262,7 @@ def _dkuv(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
             operands.append((ra_s, r_e * a))
         else:
           operands.append((ra_s, weighted_activation(*scores, r_e)))
-        _store_operands(plgpu, operands)
+        store_operands(plgpu, operands)
         for j, lhs in ((0, dm_s), (1, dn_s)):
           if j in grads:
             plgpu.wgmma(grads[j], lhs, s[q_b] if wide else s[q_b].transpose((1, 0)))
@@ -329,6 +294,6 @@ def _dkuv(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
       + [_operand(plgpu, (bi, bk), dtype, transforms) for _ in range(3)]
       + [plgpu.Barrier(num_barriers=3)],
       grid=(plan.heads, plan.experts, plan.d_e // bi), grid_names=("h", "e", "c"),
-      compiler_params=_params(plgpu), interpret=_interpret(plgpu, interpret),
+      compiler_params=compiler_params(plgpu), interpret=interpret_params(plgpu, interpret),
       kernel_name="flash_ffn_bwd_dkuv",
   )(q, r, ds, k, u, v, *extra)

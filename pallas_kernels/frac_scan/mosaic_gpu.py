@@ -45,7 +45,8 @@ from jax.experimental import pallas as pl
 from jaxops import tiling
 from jaxops.frac_chunk import Modes, TilePlan
 from pallas_kernels.dispatch import mosaic_gpu_module
-from pallas_kernels.flash_ffn.mosaic_gpu import _interpret, _products, _transforms
+from pallas_kernels.mosaic_gpu_common import (interpret_params, products, smem_transforms,
+                                              store_operands)
 
 _F32 = jnp.float32
 CHUNK = 64     # tokens per chunk: WGMMA's M
@@ -198,19 +199,12 @@ class _Decays:
     return jnp.exp(-rate * self.t_end)
 
 
-def _params(plgpu):
+def _lane_params(plgpu):
   """Lane semantics: every array's layout is set where it is made (the loads, the iotas,
   WGMMA's accumulators) and follows from there; the default warpgroup semantics' layout
   search runs out of fuel on this kernel."""
   return plgpu.CompilerParams(approx_math=False,
                               lowering_semantics=plgpu.LoweringSemantics.Lane)
-
-
-def _store(plgpu, pairs):
-  """Writes register values into shared-memory WGMMA operands and fences them."""
-  for buf, value in pairs:
-    buf[...] = value.astype(buf.dtype)
-  plgpu.commit_smem()
 
 
 def _load(plgpu, ref):
@@ -237,7 +231,7 @@ class _Kernel:
     self.plan, self.grid = plan, _grid(plan, blocks, all_modes)
     self.low, self.n, self.mb = x.dtype, plan.n, self.grid.m_block
     self.groups, self.stages = x.shape[0], blocks.num_stages
-    self.transforms = _transforms(plgpu, self.low, self.n, CHUNK, COLUMNS)
+    self.transforms = smem_transforms(plgpu, self.low, self.n, CHUNK, COLUMNS)
 
   def operand(self, shape):
     """A shared-memory WGMMA operand in the input dtype."""
@@ -247,12 +241,12 @@ class _Kernel:
     """A float32 shared-memory buffer for results, swizzled so that storing WGMMA-layout
     values into it is free of bank conflicts."""
     plgpu = self.plgpu
-    return plgpu.SMEM(shape, _F32, transforms=_transforms(plgpu, _F32, shape[-1]))
+    return plgpu.SMEM(shape, _F32, transforms=smem_transforms(plgpu, _F32, shape[-1]))
 
   def spec(self, shape, index, dtype=None):
     """A pipeline block spec, swizzled as the operands (or as float32 staging)."""
     transforms = (self.transforms if dtype is None
-                  else _transforms(self.plgpu, dtype, shape[-1]))
+                  else smem_transforms(self.plgpu, dtype, shape[-1]))
     return self.plgpu.BlockSpec(shape, index, transforms=transforms)
 
   def token_specs(self, chunk_of):
@@ -302,7 +296,7 @@ class _Kernel:
         kernel, out_type=out_type, scratch_types=scratch + [plgpu.Barrier(num_barriers=1)],
         grid=(self.groups, grid.p // COLUMNS, grid.m_blocks) + extra[0],
         grid_names=("g", "pb", "mb") + extra[1],
-        compiler_params=_params(plgpu), interpret=_interpret(plgpu, interpret),
+        compiler_params=_lane_params(plgpu), interpret=interpret_params(plgpu, interpret),
         kernel_name=name)(*args)
 
 
@@ -354,9 +348,9 @@ def _forward_intra(k: _Kernel, interpret, *args):
 
     def step(_, xt_s, c_s, bd_s, t_s):
       dec = k.decays(t_s, rates_ref, weights_ref)
-      (cb,) = _products(plgpu, (q, q), [(c_s, bd_s.transpose((1, 0)))])
-      _store(plgpu, [(pm_s, cb * dec.lmix(mb_size))])
-      (y,) = _products(plgpu, (q, w), [(pm_s, xt_s.transpose((1, 0)))])
+      (cb,) = products(plgpu, (q, q), [(c_s, bd_s.transpose((1, 0)))])
+      store_operands(plgpu, [(pm_s, cb * dec.lmix(mb_size))])
+      (y,) = products(plgpu, (q, w), [(pm_s, xt_s.transpose((1, 0)))])
       _write_y(k, y, y_s, y_ref, chunk)
 
     plgpu.emit_pipeline(step, grid=(1,), in_specs=k.token_specs(lambda i: chunk + i))(
@@ -386,10 +380,10 @@ def _forward_states(k: _Kernel, interpret, save_starts: bool, *args):
       c_f, xt_f = _load(plgpu, c_s), _load(plgpu, xt_s)
       for j, s in enumerate(states):
         rate, weight = dec.mode(j)
-        _store(plgpu, [(cg_s.at[j], c_f * _rows(weight * dec.grow(rate), (q, n))),
+        store_operands(plgpu, [(cg_s.at[j], c_f * _rows(weight * dec.grow(rate), (q, n))),
                        (st_s.at[j], s),
                        (xo_s.at[j], xt_f * _cols(dec.out_of(rate, dec.t_cols), (w, q)))])
-      news = _products(plgpu, (w, n), [(xo_s.at[j], bd_s) for j in range(mb_size)])
+      news = products(plgpu, (w, n), [(xo_s.at[j], bd_s) for j in range(mb_size)])
 
       def y_run(acc):
         for j in range(mb_size):
@@ -527,8 +521,8 @@ def _intra(k: _Kernel, interpret, *args):
     def step(_, xt_s, c_s, bd_s, t_s, dy_s):
       dec = k.decays(t_s, rates_ref, weights_ref)
       lmix = dec.lmix(mb_size)
-      cb, dscores = _products(plgpu, (q, q), [(c_s, bd_s.transpose((1, 0))), (dy_s, xt_s)])
-      _store(plgpu, [(pm_s, cb * lmix), (dcb_s, dscores * lmix)])
+      cb, dscores = products(plgpu, (q, q), [(c_s, bd_s.transpose((1, 0))), (dy_s, xt_s)])
+      store_operands(plgpu, [(pm_s, cb * lmix), (dcb_s, dscores * lmix)])
       dlmix = jnp.where(dec.causal, dscores * cb, 0.0)
       dt_rows, dt_cols = _zeros(plgpu, 1), _zeros(plgpu, 0)
       for j in range(mb_size):
@@ -539,8 +533,8 @@ def _intra(k: _Kernel, interpret, *args):
         dmodes_s[1, j] = -weight * jnp.sum(gl * dec.delta, axis=1)
         dt_rows -= (weight * rate) * rows
         dt_cols += (weight * rate) * jnp.sum(gl, axis=0)
-      dc, dbd = _products(plgpu, (q, n), [(dcb_s, bd_s), (dcb_s.transpose((1, 0)), c_s)])
-      (dx,) = _products(plgpu, (q, w), [(pm_s.transpose((1, 0)), dy_s)])
+      dc, dbd = products(plgpu, (q, n), [(dcb_s, bd_s), (dcb_s.transpose((1, 0)), c_s)])
+      (dx,) = products(plgpu, (q, w), [(pm_s.transpose((1, 0)), dy_s)])
       out.write_chunk(refs, bufs, chunk, dx, dc, dbd, dt_rows, dt_cols)  # fences dmodes_s too
       plgpu.copy_smem_to_gmem(dmodes_s, refs[4].at[g, chunk, pb])
 
@@ -578,8 +572,8 @@ def _through_states(k: _Kernel, interpret, *args):
       dt_rows, dt_end = _zeros(plgpu, 1), _zeros(plgpu, 1)
       for j in range(mb_size):
         state = plgpu.load(start_s.at[j], layout=plgpu.Layout.WGMMA)
-        _store(plgpu, [(st_s.at[j], state), (dst_s.at[j], dstates[j])])
-        d_c_in, d_bd_out = _products(plgpu, (q, n), [(dy_s, st_s.at[j]),
+        store_operands(plgpu, [(st_s.at[j], state), (dst_s.at[j], dstates[j])])
+        d_c_in, d_bd_out = products(plgpu, (q, n), [(dy_s, st_s.at[j]),
                                                      (xt_s.transpose((1, 0)), dst_s.at[j])])
         rate, weight = dec.mode(j)
         grow, out_of, keep = dec.grow(rate), dec.out_of(rate, dec.t), dec.keep(rate)
@@ -589,7 +583,7 @@ def _through_states(k: _Kernel, interpret, *args):
         d_into = jnp.sum(d_c_in * c_f, axis=1)
         # S_j' = keep S_j + (bd * out_of)^T x
         dbd += d_bd_out * _rows(out_of, (q, n))
-        _store(plgpu, [(cg_s.at[j], c_f * _rows(into, (q, n))),
+        store_operands(plgpu, [(cg_s.at[j], c_f * _rows(into, (q, n))),
                        (bo_s.at[j], bd_f * _rows(out_of, (q, n)))])
         # Through the decays: g = (cotangent of a decay) * (that decay).
         g_in = d_into * into
@@ -606,7 +600,7 @@ def _through_states(k: _Kernel, interpret, *args):
         return acc[...]
 
       dx = pl.run_scoped(dx_run, plgpu.ACC((q, w), _F32))
-      news = _products(plgpu, (w, n), [(dy_s.transpose((1, 0)), cg_s.at[j])
+      news = products(plgpu, (w, n), [(dy_s.transpose((1, 0)), cg_s.at[j])
                                        for j in range(mb_size)])
       out.write_chunk(refs, bufs, last - idx[0], dx, dc, dbd, dt_rows, dt_end)
       dstarts = tuple(dec.keep(dec.mode(j)[0]) * d + new

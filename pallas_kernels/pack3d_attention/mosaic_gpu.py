@@ -42,8 +42,8 @@ from jax.experimental import pallas as pl
 
 from jaxops.pack3d import MASK
 from pallas_kernels.dispatch import mosaic_gpu_module
-from pallas_kernels.flash_ffn.mosaic_gpu import (_interpret, _params, _products,
-                                                 _store_operands, _transforms)
+from pallas_kernels.mosaic_gpu_common import (compiler_params, interpret_params, products,
+                                              smem_transforms, store_operands)
 from pallas_kernels.pack3d_attention import tiles
 from pallas_kernels.pack3d_attention.tiles import Tables, TilePlan
 
@@ -161,14 +161,14 @@ def _online_step(plgpu, plan: TilePlan, carry, q_s, k_s, v_s, p_s, bias):
   """One key tile of the online softmax (`tiles.softmax_step`): carry (acc [T, d], m [T],
   l [T]) -> updated carry; bias [N] per key."""
   acc, m, l = carry
-  (s,) = _products(plgpu, p_s.shape, [(q_s, k_s.transpose((1, 0)))])
+  (s,) = products(plgpu, p_s.shape, [(q_s, k_s.transpose((1, 0)))])
   s = s * plan.scale + _bcast(bias, s.shape, 1)
   m_new = jnp.maximum(m, jnp.max(s, axis=1))
   alpha = jnp.exp(m - m_new)
   p = jnp.exp(s - _bcast(m_new, s.shape, 0))
   l = alpha * l + jnp.sum(p, axis=1)
-  _store_operands(plgpu, [(p_s, p)])
-  (pv,) = _products(plgpu, acc.shape, [(p_s, v_s)])
+  store_operands(plgpu, [(p_s, p)])
+  (pv,) = products(plgpu, acc.shape, [(p_s, v_s)])
   return acc * _bcast(alpha, acc.shape, 0) + pv, m_new, l
 
 
@@ -188,7 +188,7 @@ def _call(plgpu, kernel, plan: TilePlan, grid, out_type, scratch, interpret, nam
 
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("a", "h", "b"),
-      compiler_params=_params(plgpu), interpret=_interpret(plgpu, interpret), kernel_name=name,
+      compiler_params=compiler_params(plgpu), interpret=interpret_params(plgpu, interpret), kernel_name=name,
   )(*(x for x in args if x is not None))
 
 
@@ -209,7 +209,7 @@ def forward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tabl
   plgpu = mosaic_gpu_module()
   t, s, d, dtype = plan.t, plan.s_block, plan.d, q.dtype
   (q, k, v, kbar, vbar), key_bias, offset = _operands(plan, offset, tables, q, k, v, kbar, vbar)
-  tf = _transforms(plgpu, dtype, d, t, s)
+  tf = smem_transforms(plgpu, dtype, d, t, s)
   rows_l, cols_l = _layouts(plgpu)
 
   def kernel(nbr_ref, nnb_ref, q_ref, k_ref, v_ref, kb_ref, kbar_ref, vbar_ref, rows_ref,
@@ -269,7 +269,7 @@ def _dq(plgpu, plan: TilePlan, stages, interpret, xs, key_bias, offset, tables: 
   """dq [B, C*T, H, d]: per query cube over its two key streams."""
   q, k, v, kbar, vbar, do = xs
   t, s, d, dtype = plan.t, plan.s_block, plan.d, q.dtype
-  tf = _transforms(plgpu, dtype, d, t, s)
+  tf = smem_transforms(plgpu, dtype, d, t, s)
   rows_l, cols_l = _layouts(plgpu)
 
   def kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kb_ref,
@@ -285,11 +285,11 @@ def _dq(plgpu, plan: TilePlan, stages, interpret, xs, key_bias, offset, tables: 
     def step(dq, k_tile, v_tile, ds_buf, bias):
       """dq + ds K for one key tile (`tiles.dq_step`, the scale applied at the end)."""
       shape = ds_buf.shape
-      sc, dpv = _products(plgpu, shape, [(q_s, k_tile.transpose((1, 0))),
+      sc, dpv = products(plgpu, shape, [(q_s, k_tile.transpose((1, 0))),
                                          (do_s, v_tile.transpose((1, 0)))])
       p = jnp.exp(sc * plan.scale + _bcast(bias, shape, 1) - _bcast(lse_r, shape, 0))
-      _store_operands(plgpu, [(ds_buf, p * (dpv - _bcast(delta_r, shape, 0)))])
-      return dq + _products(plgpu, dq.shape, [(ds_buf, k_tile)])[0]
+      store_operands(plgpu, [(ds_buf, p * (dpv - _bcast(delta_r, shape, 0)))])
+      return dq + products(plgpu, dq.shape, [(ds_buf, k_tile)])[0]
 
     def local(_, k_s, v_s, kb_s, dq):
       return step(dq, k_s, v_s, ds_s, plgpu.load(kb_s, layout=cols_l))
@@ -324,12 +324,12 @@ def _transposed_grads(plgpu, plan: TilePlan, carry, k_s, v_s, q_s, do_s, p_s, ds
   shape = p_s.shape
   _, cols_l = _layouts(plgpu)
   lse_c, delta_c = (plgpu.load(x, layout=cols_l) for x in (lse_s, delta_s))
-  st, dpt = _products(plgpu, shape, [(k_s, q_s.transpose((1, 0))),
+  st, dpt = products(plgpu, shape, [(k_s, q_s.transpose((1, 0))),
                                      (v_s, do_s.transpose((1, 0)))])
   p = jnp.exp(st * plan.scale + _bcast(bias, shape, 0) - _bcast(lse_c, shape, 1))
   ds = p * (dpt - _bcast(delta_c, shape, 1))
-  _store_operands(plgpu, [(p_s, p), (ds_s, ds)])
-  dk, dv = _products(plgpu, carry[0].shape, [(ds_s, q_s), (p_s, do_s)])
+  store_operands(plgpu, [(p_s, p), (ds_s, ds)])
+  dk, dv = products(plgpu, carry[0].shape, [(ds_s, q_s), (p_s, do_s)])
   return (carry[0] + dk, carry[1] + dv) + tuple(c + jnp.sum(ds, axis=1) for c in carry[2:])
 
 
@@ -348,7 +348,7 @@ def _dkv(plgpu, plan: TilePlan, stages, interpret, xs, key_bias, tables: Tables,
   neighbour."""
   q, k, v, _, _, do = xs
   t, d, dtype = plan.t, plan.d, q.dtype
-  tf = _transforms(plgpu, dtype, d, t)
+  tf = smem_transforms(plgpu, dtype, d, t)
   rows_l, _ = _layouts(plgpu)
 
   def kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kb_ref,
@@ -384,7 +384,7 @@ def _dsummaries(plgpu, plan: TilePlan, stages, interpret, xs, offset, tables: Ta
   [B, H, Cs]: per block of S summaries over every query cube."""
   q, _, _, kbar, vbar, do = xs
   t, s, d, dtype = plan.t, plan.s_block, plan.d, q.dtype
-  tf = _transforms(plgpu, dtype, d, t, s)
+  tf = smem_transforms(plgpu, dtype, d, t, s)
   rows_l, _ = _layouts(plgpu)
   with_offset = offset is not None
 
