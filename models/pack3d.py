@@ -59,8 +59,9 @@ class Pack3DAttention(nnx.Module):
     levels, level_radius: the multi-level far field (DESIGN.md section 3.1): levels = 1 (the
       default) is the paper's single level; with levels >= 2 farther cubes are summarized by
       coarser cubes (level k: 2^(k-1) block_shape per axis), level_radius the radii r_2..r_L
-      (None: radius_blocks). XLA path only for now ("auto" picks it); one far offset per head
-      shared by the levels.
+      (None: radius_blocks). The XLA path and the kernels (which still visit every summary
+      block: exact, but near-linear only on the XLA path); one far offset per head shared by
+      the levels.
     max_top_cubes: with levels >= 2 and traced coords, the top level's cube slots (see
       `jaxops.pack3d.pack3d_attention`; None: max_cubes, exact for any layout but quadratic
       in the top level). Set it from your grids to keep the far field near-linear.
@@ -98,14 +99,13 @@ class Pack3DAttention(nnx.Module):
     if rotate_summaries == "after" and position != "axial_rope":
       raise ValueError("Pack3DAttention: rotate_summaries='after' needs position='axial_rope'")
     levels_lib.level_radii(radius_blocks, levels, level_radius)
-    if levels > 1 and (impl in ("pallas", "reference") or merge != "joint"
-                       or rotate_summaries != "before"):
-      raise ValueError(f"Pack3DAttention: levels={levels} needs impl 'auto' or 'xla', merge "
-                       f"'joint' and rotate_summaries 'before' (got impl={impl!r}, merge={merge!r},"
-                       f" rotate_summaries={rotate_summaries!r})")
+    if levels > 1 and (impl == "reference" or merge != "joint" or rotate_summaries != "before"):
+      raise ValueError(f"Pack3DAttention: levels={levels} needs impl 'auto', 'xla' or 'pallas', "
+                       f"merge 'joint' and rotate_summaries 'before' (got impl={impl!r}, merge="
+                       f"{merge!r}, rotate_summaries={rotate_summaries!r})")
     self.num_heads, self.head_dim = num_heads, head_dim
     self.position, self.merge = position, merge
-    self.impl = resolve_impl(owner, impl, has_kernel=merge == "joint" and levels == 1)
+    self.impl = resolve_impl(owner, impl, has_kernel=merge == "joint")
     self.interpret = interpret
     self.rope = dict(theta=rope_theta, spacing=tuple(spacing))
     self.op_kwargs = dict(block_shape=tuple(block_shape), radius_blocks=radius_blocks,

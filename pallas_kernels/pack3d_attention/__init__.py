@@ -8,6 +8,13 @@ precomputed in XLA (`cube_summaries`), and for each (batch, head, query cube) th
 runs ONE online softmax over two key streams: its <= (2r+1)^3 neighbour cubes, then the
 cube summaries, whose far-or-not bias it derives from the cubes' keys (plus the head's
 far offset, if given). On TPU one program serves all heads of a query cube.
+With `levels` >= 2 (DESIGN.md section 3.1) the summary stream holds every level's summaries,
+level 1's then those of levels 2..L (count-weighted means of level 1's, built in XLA by
+`jaxops.pack3d_levels`, so their gradients reach the tokens by autodiff), and the far test
+(`tiles.far_bias_of`) picks each query cube's Far_1, ..., Far_L from them. The kernels still
+visit every summary block per query cube (O(C x summaries), like one level): the far field
+is exact but not near-linear here; skipping the blocks a query cube has no far summary in is
+the follow-up, and the near-linear cost is the XLA path's (`jaxops.pack3d`).
 Backward FlashAttention-2 style: dq over query cubes; dk/dv over key cubes, visiting the
 query cubes that have them as neighbours (the relation is symmetric); summary gradients
 over summary blocks, reaching the tokens through the (autodiff) VJP of the cube mean; the
@@ -33,6 +40,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxops import checks
+from jaxops import pack3d_levels as levels_lib
 from jaxops.pack3d import MASK, check_pack3d_inputs, cube_summaries
 from jaxops.pack3d_layout import cube_layout, poison_overflow
 from jaxops.tiling import next_pow2
@@ -72,7 +81,7 @@ def _backward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vb
   kbar_p, vbar_p, tables = plan.pad_summaries(kbar, vbar, tables)
   grads = _KERNELS[backend].backward(plan, blocks, interpret, q, k, v, kbar_p, vbar_p, offset,
                                      tables, do.astype(q.dtype), lse, delta)
-  dkbar, dvbar = (g[:, :plan.cubes] for g in grads[3:5])
+  dkbar, dvbar = (g[:, :plan.summaries] for g in grads[3:5])
   # [B, H, Cs] per-summary parts (padded summaries are never far: 0) -> [H, 1, 1]
   d_offset = None if offset is None else jnp.sum(grads[5], axis=(0, 2))[:, None, None]
   return *grads[:3], dkbar, dvbar, d_offset
@@ -112,9 +121,56 @@ def _attend_bwd(cfg, options, residuals, do):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+def _level_summaries(layout, kbar, vbar, rows, levels: int, max_top_cubes):
+  """Every level's summaries as the kernels' far stream: level 1's C cubes (kbar, vbar
+  [B, C, H*D] float32, rows = `layout.cube_rows()` [B, 8, C]) followed by those of levels
+  2..L, count-weighted means of level 1's (`pack3d_levels.level_structure`). Level k < L keeps
+  its exact slot count for concrete coords (C for traced ones: a field's level-k box never
+  exceeds its level-1 box); the top level `top_slots(..., max_top_cubes)`. Row 5 of the table
+  is each summary's level k, rows 1..3 its level-k cube (`tiles.far_bias`).
+
+  Returns kbar, vbar [B, M, H*D], rows [B, 8, M] (M the summaries of all levels) and bool [B]:
+  the entries whose top level needs more than its slots (their output is made NaN)."""
+  keys, count = layout.keys, layout.count
+  # [B, C, 1, H*D]: pack3d_levels' [C, H, D] summaries with the heads kept on the lanes
+  per_level = jax.vmap(lambda *a: levels_lib.level_structure(*a, levels))(
+      keys, count, kbar[:, :, None], vbar[:, :, None])
+  tagged = lambda r, k: r.at[:, 5].set(float(k))               # row 5: the level
+  kbars, vbars, tables = [kbar], [vbar], [tagged(rows, 1)]
+  for k in range(2, levels + 1):
+    keys_k, count_k, kbar_k, vbar_k, _ = per_level[k - 1]
+    slots = levels_lib.top_slots(keys, count, k, max_top_cubes if k == levels else None)
+    kbars.append(kbar_k[:, :slots, 0])
+    vbars.append(vbar_k[:, :slots, 0])
+    cols = jnp.concatenate([keys_k[:, :slots].astype(_F32), count_k[:, :slots, None],
+                            jnp.zeros(count_k[:, :slots].shape + (3,), _F32)], axis=-1)
+    tables.append(tagged(jnp.swapaxes(cols, 1, 2), k))
+  over = levels_lib.top_overflow(keys, count, levels, kbars[-1].shape[1])
+  return (jnp.concatenate(kbars, 1), jnp.concatenate(vbars, 1), jnp.concatenate(tables, 2),
+          over)
+
+
+def _check_levels(levels: int, summary_rope, far_offset, max_top_cubes, heads: int) -> None:
+  """The multi-level options the kernels take (one-line ValueErrors naming the argument)."""
+  if levels == 1:
+    if max_top_cubes is not None:
+      raise ValueError("pack3d_attention: `max_top_cubes` is a multi-level option (levels >= 2)"
+                       f"; got max_top_cubes={max_top_cubes} with levels=1")
+    return
+  if summary_rope is not None:
+    raise ValueError(f"pack3d_attention: `summary_rope` is a single-level option; got levels="
+                     f"{levels}")
+  if far_offset is not None and jnp.shape(far_offset) == (levels, heads):
+    raise ValueError("pack3d_attention: `far_offset` of shape [levels, H] (per-level offsets) "
+                     "runs on the XLA path (jaxops.pack3d); the kernels take [H]")
+  if max_top_cubes is not None:
+    checks.ints("pack3d_attention", {"max_top_cubes": max_top_cubes})
+
+
 def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                      radius_blocks: int = 1, block_bias: bool = True, summary_rope=None,
-                     far_offset=None, max_cubes: int | None = None, interpret=None,
+                     far_offset=None, max_cubes: int | None = None, levels: int = 1,
+                     level_radius=None, max_top_cubes: int | None = None, interpret=None,
                      backend: Backend | None = None, **block_sizes):
   """Pack3D attention as Pallas kernels, differentiable in q, k, v (and far_offset).
 
@@ -125,8 +181,12 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
       `jaxops.pack3d.pack3d_attention` (the gated merge is an XLA-path option only).
       With traced coords, an entry needing more than max_cubes cubes gets NaN outputs
       (`jaxops.pack3d_layout.layout_status` says which and why).
-    far_offset: None, or beta [H] (float) added to every far-summary logit of its head;
-      None leaves the kernels exactly as without it (no offset operand, no gradient output).
+    far_offset: None, or beta [H] (float) added to every far-summary logit of its head (of
+      every level); None leaves the kernels exactly as without it (no offset operand, no
+      gradient output). Per-level offsets [levels, H] run on the XLA path.
+    levels, level_radius, max_top_cubes: the multi-level far field, as in
+      `jaxops.pack3d.pack3d_attention` (DESIGN.md section 3.1); levels=1 is the single level.
+      The kernels visit every summary of every level per query cube (module docstring).
     interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Mosaic GPU on
       Hopper for 16-bit inputs and cubes of 33 to 64 tokens, Triton otherwise); True (or the
       backend's interpreter params, `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`)
@@ -140,6 +200,8 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   Returns:
     o [B, N, H, D] in q.dtype; matmuls in the input dtype, softmax in float32.
   """
+  radii = levels_lib.level_radii(radius_blocks, levels, level_radius)
+  _check_levels(levels, summary_rope, far_offset, max_top_cubes, q.shape[2])
   check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks,
                       far_offset=far_offset)
   slots = next_pow2(math.prod(block_shape))
@@ -163,12 +225,19 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     kbar, vbar = (s.reshape(batch, cubes, heads * d) for s in cube_summaries(
         layout, layout.to_cubes(k), layout.to_cubes(v), coords, summary_rope))
   rows = layout.cube_rows()
+  cols = jnp.swapaxes(rows, 1, 2)                                 # the level-1 query cubes
+  if levels > 1:
+    kbar, vbar, rows, top_over = _level_summaries(layout, kbar, vbar, rows, levels,
+                                                  max_top_cubes)
   tables = Tables(key_bias=jnp.where(layout.key_valid(), 0.0, MASK)[:, :, None, :],
-                  cube_rows=rows, cube_cols=jnp.swapaxes(rows, 1, 2),
+                  cube_rows=rows, cube_cols=cols,
                   neighbours=layout.neighbours, num_neighbours=layout.num_neighbours)
-  options = (("block_bias", bool(block_bias)), ("heads", heads), ("radius", int(radius_blocks)))
+  options = (("block_bias", bool(block_bias)), ("heads", heads), ("radii", radii))
   offset = (None if far_offset is None
             else jnp.asarray(far_offset).astype(_F32).reshape(heads, 1, 1))
   o = _attend(q_s, k_s, v_s, kbar.astype(q.dtype), vbar.astype(q.dtype), offset, tables, cfg,
               options)
-  return poison_overflow(layout, _from_slots(layout, o, heads))
+  o = poison_overflow(layout, _from_slots(layout, o, heads))
+  if levels > 1:
+    o = jnp.where(top_over[:, None, None, None], jnp.nan, o)
+  return o

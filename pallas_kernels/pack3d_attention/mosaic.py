@@ -66,7 +66,7 @@ def _far(plan: TilePlan, cols_ref, rows_ref, cube, off_ref, h: int):
   plus head h's far offset (off_ref None: none)."""
   offset = None if off_ref is None else tiles.entry(off_ref[...], h)
   return tiles.far_bias(tiles.query_key(cols_ref[0], jax.lax.rem(cube, 8)), rows_ref[0],
-                        plan.radius, plan.block_bias, offset)
+                        plan.radii, plan.block_bias, offset)
 
 
 # ----------------------------------------------------------------------------

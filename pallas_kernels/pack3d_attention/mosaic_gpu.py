@@ -147,10 +147,12 @@ def _query_key(cols_ref, b, a):
 
 
 def _far_bias(plgpu, plan: TilePlan, rows_s, key, offset, layout):
-  """Far biases [S] of the summaries whose (field, cz, cy, cx, count) rows are in rows_s
-  [8, S], for the query cube `key`, as a vector in `layout`."""
-  rows = [plgpu.load(rows_s.at[i], layout=layout) for i in range(5)]
-  return tiles.far_bias_of(key, rows, plan.radius, plan.block_bias, offset)
+  """Far biases [S] of the summaries whose (field, cz, cy, cx, count[, level]) rows are in
+  rows_s [8, S], for the query cube `key`, as a vector in `layout` (the level row only with
+  levels >= 2)."""
+  used = 5 if len(plan.radii) == 1 else 6
+  rows = [plgpu.load(rows_s.at[i], layout=layout) for i in range(used)]
+  return tiles.far_bias_of(key, rows, plan.radii, plan.block_bias, offset)
 
 
 def _offset(off_ref, h):

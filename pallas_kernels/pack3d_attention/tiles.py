@@ -2,7 +2,8 @@
 
 Per query cube (a tile of T slots) one online softmax over two key streams (MASK = -1e30,
 a finite -inf): the <= (2r+1)^3 neighbour cubes (exact tokens, empty slots masked), then
-blocks of S cube summaries whose bias is computed here from the cubes' keys::
+blocks of S cube summaries (with levels >= 2 those of every level) whose bias is computed
+here from the cubes' keys::
 
   s = q K^T / sqrt(D) + bias          bias: key slot mask, or log n_b (+ beta_h) on far
                                       cubes / MASK
@@ -86,8 +87,9 @@ def dsummary_step(q, k, v, bias, do, lse, delta, scale):
 
 
 # ----------------------------------------------------------------------------
-# Far biases from cube keys. cube_rows [8, S]: rows field, cz, cy, cx, count (float32);
-# a query cube's key comes from an [R, 8] block of the same table transposed.
+# Far biases from cube keys. cube_rows [8, S]: rows field, cz, cy, cx, count and (with
+# levels >= 2) the summary's level k, float32; cz, cy, cx are level-k cube indices. A query
+# cube's key (its level-1 (field, cz, cy, cx)) comes from an [R, 8] block of cube_cols.
 # ----------------------------------------------------------------------------
 
 def _row(rows, i):
@@ -108,25 +110,66 @@ def query_key(cols, r):
   return tuple(entry(row, j) for j in range(4))
 
 
-def far_bias(key, rows, radius: int, block_bias: bool, offset=None):
+def far_bias(key, rows, radii, block_bias: bool, offset=None):
   """[1, S] float32: log n_b (or 0), plus the head's far offset [1, 1] if given, for the far
-  cubes of the query cube `key`; MASK else."""
-  return far_bias_of(key, [_row(rows, i) for i in range(5)], radius, block_bias, offset)
+  summaries of the query cube `key`; MASK else. radii: (r_1, ..., r_L) (see `far_bias_of`)."""
+  used = 5 if len(radii) == 1 else 6   # the level row only with levels
+  return far_bias_of(key, [_row(rows, i) for i in range(used)], radii, block_bias, offset)
 
 
-def far_bias_of(key, rows, radius: int, block_bias: bool, offset=None):
-  """`far_bias` from the summaries' (field, cz, cy, cx, count) as five arrays of one shape
+def far_bias_of(key, rows, radii, block_bias: bool, offset=None):
+  """`far_bias` from the summaries' (field, cz, cy, cx, count[, level]) as arrays of one shape
   (the Mosaic GPU kernels load them as vectors in a WGMMA layout); key entries and offset
-  broadcast against them."""
-  field, z, y, x, count = rows
-  gap = lambda a, b: jnp.maximum(a - b, b - a)  # |a - b| (Mosaic lowers abs through sign,
-  distance = jnp.maximum(jnp.maximum(gap(z, key[1]), gap(y, key[2])), gap(x, key[3]))  # which
-  # asks the TPU generation and so fails a lowering from CPU)
-  far = (field == key[0]) & (distance > radius) & (count > 0.0)
+  broadcast against them.
+
+  One level (radii = (r,)): cube b is far iff same field, n_b > 0 and d(a, b) > r. Levels
+  (DESIGN.md section 3.1): a level-k summary b is far iff same field, n_b > 0 and
+  b in Far_k(a) (`_in_far_level`)."""
+  field, z, y, x, count = rows[:5]
+  if len(radii) == 1:
+    gap = lambda a, b: jnp.maximum(a - b, b - a)  # |a - b| (Mosaic lowers abs through sign,
+    distance = jnp.maximum(jnp.maximum(gap(z, key[1]), gap(y, key[2])), gap(x, key[3]))  # which
+    # asks the TPU generation and so fails a lowering from CPU)
+    far = (field == key[0]) & (distance > radii[0]) & (count > 0.0)
+  else:
+    far = (field == key[0]) & (count > 0.0) & _in_far_level(key[1:], (z, y, x), rows[5], radii)
   bias = jnp.log(jnp.maximum(count, 1.0)) if block_bias else jnp.zeros_like(count)
   if offset is not None:
     bias = bias + offset
   return jnp.where(far, bias, MASK)
+
+
+def _ancestor(c, up: int):
+  """The level-(1 + up) index floor(c / 2^up) of a level-1 cube index c >= 0 (float32,
+  exact below 2^24): an integer shift (neither floor nor floor division lowers everywhere:
+  Mosaic GPU has no floor, and jnp's // lowers through sign)."""
+  if up == 0:
+    return c
+  return jax.lax.shift_right_arithmetic(c.astype(jnp.int32), up).astype(_F32)
+
+
+def _in_far_level(own, cube, level, radii):
+  """Whether summary b (level-k index `cube` = (z, y, x), its level k in `level`) is in
+  Far_k(a) for the query cube with level-1 index `own`, L = len(radii):
+
+    d_k(a_k, b) > r_k  and  (k = L or d_{k+1}(a_{k+1}, parent(b)) <= r_{k+1}),
+    a_k = a >> (k - 1),  parent(b) = b >> 1.
+
+  The parent test reads only the query's side: |a_{k+1} - floor(b / 2)| <= r per axis iff
+  2 (a_{k+1} - r) <= b <= 2 (a_{k+1} + r) + 1, so nothing is divided per summary."""
+  levels, hits = len(radii), None
+  for k, radius in enumerate(radii, 1):
+    mine = [_ancestor(c, k - 1) for c in own]
+    gaps = [jnp.maximum(b - a, a - b) for a, b in zip(mine, cube)]
+    far = jnp.maximum(jnp.maximum(gaps[0], gaps[1]), gaps[2]) > radius
+    if k < levels:
+      up = radii[k]
+      for a, b in zip(own, cube):
+        parent = _ancestor(a, k)
+        far = far & (b >= 2.0 * (parent - up)) & (b <= 2.0 * (parent + up) + 1.0)
+    hit = (level == k) & far
+    hits = hit if hits is None else hits | hit
+  return hits
 
 
 def absent_refs(kernel, positions):
@@ -147,9 +190,11 @@ def absent_refs(kernel, positions):
 # The tile plan and the operands. Per batch entry b, tokens cube-major, heads on the lanes
 # (an [.., H*D] row is dense on TPU lanes, where [.., H, D] pads D to 128 in HBM):
 #   q, k, v, o, do [B, C*T, H*D]; lse, delta [B, C, H, T] float32 (one row of T per head)
-#   kbar, vbar [B, Cs, H*D] (Cs: C padded to a multiple of S)
+#   kbar, vbar [B, Cs, H*D] (Cs: the summaries, C per level-1 cube and with levels >= 2
+#   those of levels 2..L after them, padded to a multiple of S)
 #   key_bias [B, C, 1, T] float32 (0 for a token, MASK for an empty slot)
-#   cube_rows [B, 8, Cs], cube_cols [B, C, 8] float32 (see `far_bias`)
+#   cube_rows [B, 8, Cs] (one column per summary), cube_cols [B, C, 8] (one row per
+#   level-1 query cube) float32 (see `far_bias`)
 #   neighbours [B, C, K] int32, num_neighbours [B, C] int32 (see jaxops.pack3d_layout.CubeLayout)
 #   offset [H, 1, 1] float32 (beta_h; only with a far offset), its gradient's per-summary
 #   parts d_offset [B, H, Cs] float32 (summed outside)
@@ -175,10 +220,11 @@ class Tables:
 class TilePlan:
   """Static sizes of one call: B, H, C cubes, T slots per cube, D (the head width) and d
   (its tile width: D, or D padded to a power of two for Triton, to a multiple of 16 for
-  Mosaic GPU), K neighbours per cube, S summaries per step, Cs = C padded to S, the softmax
-  scale, the far test's radius and bias, (Mosaic) query cubes per call, (Triton) query rows
-  per dK/dV step, and whether the far logits carry a per-head offset (an operand, and a
-  gradient output)."""
+  Mosaic GPU), K neighbours per cube, the number of summaries (C with one level, every
+  level's summaries with several), S summaries per step, Cs = the summaries padded to S, the
+  softmax scale, the far test's radii (r_1, ..., r_L; `far_bias`) and bias, (Mosaic) query
+  cubes per call, (Triton) query rows per dK/dV step, and whether the far logits carry a
+  per-head offset (an operand, and a gradient output)."""
 
   batch: int
   heads: int
@@ -187,10 +233,11 @@ class TilePlan:
   head_dim: int
   d: int
   k_max: int
+  summaries: int
   s_block: int
   c_s: int
   scale: float
-  radius: int
+  radii: tuple[int, ...]
   block_bias: bool
   cubes_per_call: int
   dkv_rows: int
@@ -198,12 +245,14 @@ class TilePlan:
 
   @classmethod
   def make(cls, backend: Backend, blocks: BlockSizes, q, tables: Tables, *, heads: int,
-           radius: int, block_bias: bool, compiled: bool, far_offset: bool = False) -> "TilePlan":
-    """q [B, C*T, H*D]. compiled=False (interpret mode) lifts the compilers' minimum
+           radii: tuple[int, ...], block_bias: bool, compiled: bool,
+           far_offset: bool = False) -> "TilePlan":
+    """q [B, C*T, H*D]; the summaries are cube_rows' columns. compiled=False (interpret mode) lifts the compilers' minimum
     block_summaries (Mosaic: 128 lanes; Triton: 16 for tl.dot), so small tests can walk
     several summary blocks."""
     batch, d = q.shape[0], q.shape[2] // heads
     cubes, _, t = tables.key_bias.shape[1:]
+    summaries = tables.cube_rows.shape[2]
     s = blocks.block_summaries
     if backend == "triton":  # power-of-two tiles, >= 16 for tl.dot
       if s & (s - 1) or s < (16 if compiled else 1):
@@ -213,31 +262,32 @@ class TilePlan:
       if rows & (rows - 1) or rows < (16 if compiled else 1):
         raise ValueError(f"pack3d_attention: Triton block size `block_q_dkv` must be a power "
                          f"of two >= 16, got {blocks.block_q_dkv}")
-      s, d_pad, per_call = min(s, next_pow2(cubes)), next_pow2(d), cubes
+      s, d_pad, per_call = min(s, next_pow2(summaries)), next_pow2(d), cubes
     elif backend == "mosaic_gpu":  # summaries are WGMMA's M rows in the summary kernel
       if s % 64:
         raise ValueError(f"pack3d_attention: Mosaic GPU block size `block_summaries` must be "
                          f"a multiple of 64, got {s}")
       # D on WGMMA's contraction axis: whole 16-element steps (zero columns change nothing)
-      s, d_pad, per_call, rows = min(s, round_up(cubes, 64)), round_up(d, 16), cubes, t
-    else:  # Mosaic: cubes are the lane axis of cube_rows' blocks
-      if round_up(cubes, 8) <= s:
-        s = round_up(cubes, 8)
+      s, d_pad, per_call, rows = min(s, round_up(summaries, 64)), round_up(d, 16), cubes, t
+    else:  # Mosaic: summaries are the lane axis of cube_rows' blocks
+      if round_up(summaries, 8) <= s:
+        s = round_up(summaries, 8)
       elif s % (128 if compiled else 8):
         raise ValueError(f"pack3d_attention: Mosaic block size `block_summaries` must be a "
                          f"multiple of 128 (or hold every cube), got {s}")
       d_pad, per_call, rows = d, min(blocks.cubes_per_call, cubes), t
-    return cls(batch, heads, cubes, t, d, d_pad, tables.neighbours.shape[2], s,
-               round_up(cubes, s), 1.0 / math.sqrt(d), radius, block_bias, per_call, rows,
-               far_offset)
+    return cls(batch, heads, cubes, t, d, d_pad, tables.neighbours.shape[2], summaries, s,
+               round_up(summaries, s), 1.0 / math.sqrt(d), tuple(radii), block_bias, per_call,
+               rows, far_offset)
 
   @property
   def summary_blocks(self) -> int:
     return self.c_s // self.s_block
 
   def pad_summaries(self, kbar, vbar, tables: Tables):
-    """Summaries [B, C, H*D] padded to Cs rows, cube_rows to Cs columns (count 0: not far)."""
-    extra = self.c_s - self.cubes
+    """Summaries [B, summaries, H*D] padded to Cs rows, cube_rows to Cs columns (count 0:
+    not far)."""
+    extra = self.c_s - self.summaries
     pad_rows = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0)))
     rows = jnp.pad(tables.cube_rows, ((0, 0), (0, 0), (0, extra)))
     return pad_rows(kbar), pad_rows(vbar), dataclasses.replace(tables, cube_rows=rows)

@@ -45,7 +45,7 @@ def _summary_loop(plan: TilePlan, cols_ref, rows_ref, off_ref, body, init):
 
   def step(i, carry):
     cols = _rows(i, s)
-    bias = tiles.far_bias(key, rows_ref[0, :, cols], plan.radius, plan.block_bias,
+    bias = tiles.far_bias(key, rows_ref[0, :, cols], plan.radii, plan.block_bias,
                           _offset(off_ref))
     return body(cols, bias, carry)
 
@@ -113,7 +113,7 @@ def _dsummary_kernel(q_ref, do_ref, lse_ref, delta_ref, kbar_ref, vbar_ref, rows
   def query_cube(a, carry):
     toks = _rows(a, t)
     key = tiles.query_key(cols_ref[0, pl.ds(a, 1), :], 0)
-    bias = tiles.far_bias(key, rows, plan.radius, plan.block_bias, offset)
+    bias = tiles.far_bias(key, rows, plan.radii, plan.block_bias, offset)
     tile = (q_ref[0, 0, toks, :], kbar, vbar, bias, do_ref[0, 0, toks, :],
             lse_ref[0, 0, toks, :], delta_ref[0, 0, toks, :], plan.scale)
     if doff_ref is None:
