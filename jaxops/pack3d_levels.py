@@ -156,6 +156,18 @@ def top_slots(keys, count, levels: int, bound: int | None = None) -> int:
     return max(1, int(jnp.max(jax.vmap(lambda k, c: _box_volume(k, c, levels))(keys, count))))
 
 
+def level_slots(keys, count, levels: int, max_top_cubes: int | None = None) -> tuple[int, ...]:
+  """Slots of levels 2..L for tables that hold every cube of a level (the kernels' summary
+  stream). Concrete layouts: each level's exact box volume (`top_slots`). Traced ones: the
+  top level's `top_slots(..., max_top_cubes)` = M_L, and min(C, 8^(L-k) M_L) for k < L: per
+  axis a field's level-k box is at most twice as long as its level-(k+1) box (lo_k >=
+  2 lo_{k+1}, hi_k <= 2 hi_{k+1} + 1), so whenever the top level fits (else `top_overflow`
+  makes the entry NaN) level k fits too."""
+  top = top_slots(keys, count, levels, max_top_cubes)
+  below = lambda k: top_slots(keys, count, k, min(keys.shape[1], 8 ** (levels - k) * top))
+  return tuple(below(k) for k in range(2, levels)) + (top,)
+
+
 def _box_volume(keys, count, level: int):
   """Slots of one batch entry's level-`level` boxes (all fields)."""
   return jnp.sum(jnp.prod(_box(keys, count, level)[1], axis=-1))

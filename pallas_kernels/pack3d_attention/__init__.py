@@ -124,10 +124,11 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 def _level_summaries(layout, kbar, vbar, rows, levels: int, max_top_cubes):
   """Every level's summaries as the kernels' far stream: level 1's C cubes (kbar, vbar
   [B, C, H*D] float32, rows = `layout.cube_rows()` [B, 8, C]) followed by those of levels
-  2..L, count-weighted means of level 1's (`pack3d_levels.level_structure`). Level k < L keeps
-  its exact slot count for concrete coords (C for traced ones: a field's level-k box never
-  exceeds its level-1 box); the top level `top_slots(..., max_top_cubes)`. Row 5 of the table
-  is each summary's level k, rows 1..3 its level-k cube (`tiles.far_bias`).
+  2..L, count-weighted means of level 1's (`pack3d_levels.level_structure`), each in its
+  `pack3d_levels.level_slots` (exact for concrete coords; for traced ones bounded by
+  max_top_cubes, so that a 1M-token grid's levels add ~1/7 of level 1's summaries, not C
+  per level). Row 5 of the table is each summary's level k, rows 1..3 its level-k cube
+  (`tiles.far_bias`).
 
   Returns kbar, vbar [B, M, H*D], rows [B, 8, M] (M the summaries of all levels) and bool [B]:
   the entries whose top level needs more than its slots (their output is made NaN)."""
@@ -137,15 +138,15 @@ def _level_summaries(layout, kbar, vbar, rows, levels: int, max_top_cubes):
       keys, count, kbar[:, :, None], vbar[:, :, None])
   tagged = lambda r, k: r.at[:, 5].set(float(k))               # row 5: the level
   kbars, vbars, tables = [kbar], [vbar], [tagged(rows, 1)]
-  for k in range(2, levels + 1):
+  level_slots = levels_lib.level_slots(keys, count, levels, max_top_cubes)
+  for k, slots in enumerate(level_slots, 2):
     keys_k, count_k, kbar_k, vbar_k, _ = per_level[k - 1]
-    slots = levels_lib.top_slots(keys, count, k, max_top_cubes if k == levels else None)
     kbars.append(kbar_k[:, :slots, 0])
     vbars.append(vbar_k[:, :slots, 0])
     cols = jnp.concatenate([keys_k[:, :slots].astype(_F32), count_k[:, :slots, None],
                             jnp.zeros(count_k[:, :slots].shape + (3,), _F32)], axis=-1)
     tables.append(tagged(jnp.swapaxes(cols, 1, 2), k))
-  over = levels_lib.top_overflow(keys, count, levels, kbars[-1].shape[1])
+  over = levels_lib.top_overflow(keys, count, levels, level_slots[-1])
   return (jnp.concatenate(kbars, 1), jnp.concatenate(vbars, 1), jnp.concatenate(tables, 2),
           over)
 
