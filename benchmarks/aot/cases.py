@@ -13,6 +13,9 @@ dtype. Shapes are the paper's and the configs' (the ones a user runs):
              1m     one 64x128x128 grid, B=1 N=1048576 H=2 D=48, traced coords (16,384
                     cubes: every query cube's far stream walks 16,384 summaries)
              1m_seg3d  the same grid at the segmentation width, H=4 D=24
+             1m_seg3d_l3  the same with 3 far-field levels (DESIGN.md section 3.1),
+                    max_top_cubes = the grid's 4 x 8 x 8 level-3 cubes: 16,384 + 2,048 +
+                    256 summaries per query cube's far stream
              seg3d  configs/seg3d_cells.py: B=8 N=3072 H=4 D=24, traced coords
              65k_far_offset, seg3d_far_offset  the same with a learnable far offset [H]
                     (one more operand in the kernels, one more output in the backward);
@@ -63,6 +66,7 @@ SHAPES = {
                "262k": dict(b=4, grid=(64, 64, 64), h=2, d=48),
                "1m": dict(b=1, grid=(64, 128, 128), h=2, d=48),
                "1m_seg3d": dict(b=1, grid=(64, 128, 128), h=4, d=24),
+               "1m_seg3d_l3": dict(b=1, grid=(64, 128, 128), h=4, d=24, levels=3),
                "seg3d": dict(b=8, grid=(12, 16, 16), h=4, d=24),
                "65k_far_offset": dict(b=2, grid=(64, 32, 32), h=2, d=48, far_offset=True),
                "seg3d_far_offset": dict(b=8, grid=(12, 16, 16), h=4, d=24, far_offset=True)},
@@ -136,6 +140,10 @@ def build(case: Case, kind: str):
     specs = [x, x, x, *offset, ((s["b"], n, 3), jnp.int32), ((s["b"], n), jnp.int32)]
     cubes = math.prod(-(-g // 4) for g in s["grid"])
     num_diff = 3 + len(offset)
+    levels = s.get("levels", 1)
+    if levels > 1:  # the top level's slots: the grid's level-L cubes (4 * 2^(L-1) per axis)
+      blocks.update(levels=levels, max_top_cubes=math.prod(
+          -(-g // (4 * 2 ** (levels - 1))) for g in s["grid"]))
 
     def op(*args):
       q, k, v, *beta = args[:num_diff]
