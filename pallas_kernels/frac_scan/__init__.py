@@ -44,6 +44,32 @@ def _run(which: str, plan: TilePlan, backend: Backend, interpret, blocks, *args,
   return getattr(_KERNELS[backend], which)(plan, blocks, interpret, *args, **kwargs)
 
 
+def _check_powers_of_two(block_sizes: dict) -> None:
+  """p_block and m_block split the padded P and the padded modes (powers of two) evenly;
+  another value would leave columns or modes unprocessed."""
+  for name in ("p_block", "m_block"):
+    value = block_sizes.get(name)
+    if value is not None and (not isinstance(value, int) or value <= 0 or value & (value - 1)):
+      raise ValueError(f"frac_scan: `{name}` must be a power of two (it splits the padded "
+                       f"{'P' if name == 'p_block' else 'modes'} evenly), got {value!r}")
+
+
+def _plan(x, b, rates, chunk, backend) -> TilePlan:
+  """The tile plan for `chunk`; None: Mosaic GPU's 64 where it will run the scan (forced, or
+  picked on Hopper for 16-bit inputs and a shape it serves), else Triton's 32."""
+  make = lambda chunk: TilePlan.make(x, b, rates, chunk=chunk, mode_align=MODE_ALIGN, pow2=True)
+  if chunk is not None:
+    if not isinstance(chunk, int) or chunk <= 0:
+      raise ValueError(f"frac_scan: `chunk` must be a positive int, got {chunk!r}")
+    return make(chunk)
+  on_hopper = backend is None and gpu_backend(_BACKENDS, x.dtype) == "mosaic_gpu"
+  if backend == "mosaic_gpu" or on_hopper:
+    plan = make(mosaic_gpu.CHUNK)
+    if backend == "mosaic_gpu" or not mosaic_gpu.unsupported(plan):
+      return plan
+  return make(32)
+
+
 def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int | None = None,
               interpret=None, backend: Backend | None = None, **block_sizes):
   """Chunked multi-mode scan as a Pallas kernel; arguments and result as
@@ -65,22 +91,19 @@ def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int | N
       0.11.2 for 16-bit inputs on a chip); with `interpret` this runs that kernel body on
       CPU. None: Mosaic on TPU; on a CUDA GPU Mosaic GPU on Hopper for 16-bit inputs
       (`dispatch.gpu_backend`) where the chunk allows, else Triton.
-    **block_sizes: overrides of `BlockSizes` fields (p_block, num_warps, num_stages);
+    **block_sizes: overrides of `BlockSizes` fields (p_block, m_block: powers of two;
+      num_warps, num_stages);
       defaults from `TUNED` for the chip and dtype.
 
   Returns:
     (y [Bt, L, H, P] in x.dtype, final state [Bt, H, M, N, P] float32).
   """
   check_scan_inputs(x, dt, b, c, rates, weights, initial_state)
-  if chunk is None:
-    on_hopper = backend is None and gpu_backend(_BACKENDS, x.dtype) == "mosaic_gpu"
-    chunk = mosaic_gpu.CHUNK if backend == "mosaic_gpu" or on_hopper else 32
-  if not isinstance(chunk, int) or chunk <= 0:
-    raise ValueError(f"frac_scan: `chunk` must be a positive int, got {chunk!r}")
-  plan = TilePlan.make(x, b, rates, chunk=chunk, mode_align=MODE_ALIGN, pow2=True)
+  _check_powers_of_two(block_sizes)
+  plan = _plan(x, b, rates, chunk, backend)
   reason = mosaic_gpu.unsupported(plan)
   if backend == "mosaic_gpu" and reason:
-    raise ValueError(f"frac_scan: backend='mosaic_gpu' {reason}")
+    raise ValueError(f"frac_scan: backend='mosaic_gpu' {reason} (`b` has shape {b.shape})")
   backends = _BACKENDS[:2] if reason else _BACKENDS
   cfg = KernelConfig.make("frac_scan", BlockSizes, backend=backend, interpret=interpret,
                           block_sizes=block_sizes, backends=backends)

@@ -47,10 +47,13 @@ class BlockSizes:
 TUNED = {
     ("triton", None, "float32"): BlockSizes(p_block=16, m_block=2, num_warps=4),
     ("triton", None, "bfloat16"): BlockSizes(p_block=16, m_block=2, num_warps=8),
+    # float16: the bf16 entries (same widths, so the same registers; compile-checked as bf16)
+    ("triton", None, "float16"): BlockSizes(p_block=16, m_block=2, num_warps=8),
     # Mosaic GPU (m_block: modes per state-walk program; two chunks in flight). ptxas, H100,
     # N = 16: the backward walk spills 460 B at 4 modes, none at 2 (241 registers), and 2
     # doubles the walks' programs. float32 runs in the interpreter only (dispatch refuses it
     # on a chip); its entry makes the tests run the same blocks.
     ("mosaic_gpu", None, "bfloat16"): BlockSizes(m_block=2, num_stages=2),
+    ("mosaic_gpu", None, "float16"): BlockSizes(m_block=2, num_stages=2),
     ("mosaic_gpu", None, "float32"): BlockSizes(m_block=2, num_stages=2),
 }

@@ -61,7 +61,7 @@ def unsupported(plan: TilePlan) -> str | None:
     return (f"needs `chunk`={CHUNK} (or a sequence of at most one chunk), got chunk "
             f"{plan.chunk}")
   if plan.n > 32:
-    return f"needs N <= 32 (the last dim of `b`), got {plan.n} after padding"
+    return f"needs N <= 32 (the last dim of `b`), got {plan.n} after padding to a power of two"
   return None
 
 
