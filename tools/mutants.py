@@ -45,6 +45,7 @@ SEG = "tests/test_seg3d.py"
 TS = "tests/test_trainer_semantics.py"
 P3I = "tests/test_pack3d_independent.py"
 KP = "tests/test_kernel_properties.py"
+P3K = "tests/test_pack3d_levels_kernels.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,6 +409,26 @@ MUTANTS = [
     m("pack3d_levels_radius_rule_off", "jaxops/pack3d_levels.py",
       "if k < levels and radii[k] < math.ceil(r / 2):", "if False:",
       "tests/test_pack3d_levels.py::test_bad_level_options_are_one_line_errors"),
+    # the kernels' far test with levels (pallas_kernels/pack3d_attention/tiles.py)
+    m("pack3d_kernel_levels_parent_radius_exclusive", "pallas_kernels/pack3d_attention/tiles.py",
+      "far = far & (b >= 2.0 * (parent - up))", "far = far & (b > 2.0 * (parent - up))",
+      f"{P3K}::test_kernel_matches_the_independent_reference"),
+    m("pack3d_kernel_levels_own_radius_inclusive", "pallas_kernels/pack3d_attention/tiles.py",
+      "far = jnp.maximum(jnp.maximum(gaps[0], gaps[1]), gaps[2]) > radius",
+      "far = jnp.maximum(jnp.maximum(gaps[0], gaps[1]), gaps[2]) >= radius",
+      f"{P3K}::test_kernel_matches_the_independent_reference"),
+    m("pack3d_kernel_levels_level_row_ignored", "pallas_kernels/pack3d_attention/tiles.py",
+      "hit = (level == k) & far", "hit = far",
+      f"{P3K}::test_kernel_matches_the_independent_reference"),
+    m("pack3d_kernel_levels_query_cube_not_coarsened", "pallas_kernels/pack3d_attention/tiles.py",
+      "mine = [_ancestor(c, k - 1) for c in own]", "mine = list(own)",
+      f"{P3K}::test_kernel_matches_the_independent_reference"),
+    m("pack3d_kernel_levels_level_1_untagged", "pallas_kernels/pack3d_attention/__init__.py",
+      "[tagged(rows, 1)]", "[rows]",
+      f"{P3K}::test_kernel_matches_the_independent_reference"),
+    m("pack3d_kernel_levels_top_overflow_not_poisoned", "pallas_kernels/pack3d_attention/__init__.py",
+      "o = jnp.where(top_over[:, None, None, None], jnp.nan, o)", "pass",
+      f"{P3K}::test_traced_coordinates_with_max_top_cubes"),
     # ------------------------------------------------------------------ GPU dispatch
     m("mosaic_gpu_float32_allowed", "pallas_kernels/dispatch.py",
       "return jnp.dtype(dtype).itemsize == 2", "return True",
