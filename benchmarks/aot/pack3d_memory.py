@@ -3,8 +3,8 @@
 `compiled.memory_analysis().temp_size_in_bytes` of a `Pack3DAttention` layer's VJP (of x
 and every parameter, the upstream gradient an argument) at the segmentation width (d = 96,
 4 heads of 24, cubes of 4^3, radius 1), one field of N tokens (a z x y x x grid), traced
-coordinates, for the Pallas kernel (single level) and the XLA path with one and with
-`--levels` far-field levels (the top level's slots bounded by the grid's top-level box,
+coordinates, for the Pallas kernel and the XLA path, each with one and with `--levels`
+far-field levels (the top level's slots bounded by the grid's top-level box,
 `max_top_cubes`, as a user of traced coordinates would set it). The last column is the unpadded bytes of the layer's
 [N, d] activations that any implementation keeps (x, q, k, v, o and their gradients:
 10 N d elements), the scale the kernel's padded slot arrays are measured against.
@@ -29,7 +29,7 @@ def main(argv=None):
   parser.add_argument("--target", default="tpu-v5e", choices=sorted(TARGETS))
   parser.add_argument("--sizes", default="262144,1048576")
   parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--levels", default="3", help="multi-level variants of the XLA path")
+  parser.add_argument("--levels", default="3", help="multi-level variants (kernel and XLA)")
   args = parser.parse_args(argv)
   target = TARGETS[args.target]
   for key, value in environment(target).items():
@@ -61,8 +61,11 @@ def main(argv=None):
     x = spec((1, n, D_MODEL), dtype)
     return temp(step, params, x, spec((1, n, 3), jnp.int32), spec((1, n), jnp.int32), x)
 
-  variants = {"kernel, 1 level": ("pallas", 1), "XLA path, 1 level": ("xla", 1)}
-  variants.update({f"XLA path, {k} levels": ("xla", int(k)) for k in args.levels.split(",")})
+  levels = [int(k) for k in args.levels.split(",")]
+  variants = {"kernel, 1 level": ("pallas", 1)}
+  variants.update({f"kernel, {k} levels": ("pallas", k) for k in levels})
+  variants["XLA path, 1 level"] = ("xla", 1)
+  variants.update({f"XLA path, {k} levels": ("xla", k) for k in levels})
   sizes = [int(n) for n in args.sizes.split(",")]
   gib = lambda b: f"{b / 2**30:.2f}"
   print(f"\n{target.name}, {args.dtype}: one Pack3DAttention layer (d={D_MODEL}, H={HEADS}), "
