@@ -2,14 +2,12 @@
 `levels` >= 2) against the independent float64 reference of DESIGN.md section 3.1
 (`tests/independent_multilevel`): the Mosaic and Triton bodies in interpret mode (the Mosaic
 GPU body through its interpreter with 64-slot cubes), float32 and bfloat16, the output and
-the directional derivatives of q, k, v (and an [H] far offset), traced coordinates with
-`max_top_cubes`, and the options the kernels refuse.
+the directional derivatives of q, k, v and the far offset ([H], or [L, H] per level),
+traced coordinates with `max_top_cubes`, and the options the kernels refuse.
 
 Layout and cases are the XLA path's (`tests/test_pack3d_levels`): 96 shuffled tokens in two
-odd-sized fields and a padding field, (1, 2, 2) cubes, partial cubes inside a field. The
-kernels take the per-head offset [H] only (per-level offsets [L, H] are the XLA path's), so
-its [L, H] cases run here with an [H] offset. One case per body runs by default, the matrix
-under `-m slow`.
+odd-sized fields and a padding field, (1, 2, 2) cubes, partial cubes inside a field. One
+case per body runs by default, the matrix under `-m slow`.
 """
 
 from __future__ import annotations
@@ -33,10 +31,13 @@ from tests.test_flash_ffn import mosaic_gpu_interpreter, needs_mosaic_gpu
 F32, BF16 = jnp.float32, jnp.bfloat16
 COORDS, FIELDS, BLOCK = xla_cases.COORDS, xla_cases.FIELDS, xla_cases.BLOCK
 H, D, N = xla_cases.H, xla_cases.D, xla_cases.N
-BETA = xla_cases.BETA[0]                               # [H]
-# name: (levels, radius_blocks, level_radius, with an [H] far offset)
-CASES = {name: (*case[:3], case[3] is not None) for name, case in xla_cases.CASES.items()
-         if case[0] > 1}
+# name: (levels, radius_blocks, level_radius, far offset: None, "h" [H] or "lh" [L, H])
+CASES = {name: case for name, case in xla_cases.CASES.items() if case[0] > 1}
+
+
+def _beta(case: str):
+  levels, kind = CASES[case][0], CASES[case][3]
+  return {None: None, "h": xla_cases.BETA[0], "lh": xla_cases.BETA[:levels]}[kind]
 # 8 summaries per block: the far stream walks several blocks (level 1's cubes, then the
 # higher levels', mixed in one block); Triton's dK/dV walks each 4-slot cube in 2 row blocks.
 BODIES = {"mosaic": dict(block_summaries=8),
@@ -87,7 +88,7 @@ def check_case(op, reference, qkv, beta, dtype):
                        name=["q", "k", "v", "far_offset"][:len(primals)])
 
 
-DEFAULT = {("mosaic", "L3_r1_2_1", "f32"), ("triton", "L2_r1", "bf16")}
+DEFAULT = {("mosaic", "L3_r1_2_1", "f32"), ("triton", "L3_r0", "bf16")}
 
 
 @pytest.mark.parametrize("body, case, dtype", [
@@ -96,7 +97,7 @@ DEFAULT = {("mosaic", "L3_r1_2_1", "f32"), ("triton", "L2_r1", "bf16")}
     for body in BODIES for case in CASES for dtype in ("f32", "bf16")])
 def test_kernel_matches_the_independent_reference(body, case, dtype):
   check_case(_op(body, case), _reference(case), (xla_cases.Q, xla_cases.K, xla_cases.V),
-             BETA if CASES[case][3] else None, {"f32": F32, "bf16": BF16}[dtype])
+             _beta(case), {"f32": F32, "bf16": BF16}[dtype])
 
 
 @needs_mosaic_gpu
@@ -106,13 +107,14 @@ def test_mosaic_gpu_body_matches_the_independent_reference(dtype):
   """The Hopper body (64-slot cubes, its interpreter with the race detector) on the layout of
   `tests/test_pack3d_mosaic_gpu` ((4, 3, 4) cubes, two batch entries, odd fields), 3 levels
   of radius 0: each query cube attends to its level-1 siblings, its level-2 parent's
-  siblings, and (in the (9, 5, 3) field) nothing at the top; D = 16, an [H] far offset."""
+  siblings, and (in the (9, 5, 3) field) nothing at the top; D = 16, per-level far offsets
+  [L, H]."""
   from tests import test_pack3d_mosaic_gpu as hopper
   rng = np.random.default_rng(4)
   qkv = [rng.standard_normal(hopper.COORDS.shape[:2] + (H, 16)) for _ in range(3)]
   layout = dict(coords=hopper.COORDS, fields=hopper.FIELDS, block=hopper.BLOCK)
-  check_case(_op("mosaic_gpu", "L3_r0", **layout), _reference("L3_r0", **layout), qkv, BETA,
-             dtype)
+  check_case(_op("mosaic_gpu", "L3_r0", **layout), _reference("L3_r0", **layout), qkv,
+             _beta("L3_r0"), dtype)
 
 
 def test_one_level_is_the_single_level_kernel():
@@ -142,7 +144,7 @@ def test_traced_coordinates_with_max_top_cubes():
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"levels": 3, "far_offset": np.zeros((3, H))}, r"`far_offset` of shape \[levels, H\]"),
+    ({"levels": 3, "far_offset": np.zeros((2, H))}, r"`far_offset` has shape \(2, 2\)"),
     ({"levels": 2, "summary_rope": {"theta": 100.0}}, "`summary_rope` is a single-level"),
     ({"max_top_cubes": 4}, "`max_top_cubes` is a multi-level option"),
     ({"levels": 2, "max_top_cubes": 0}, "max_top_cubes"),

@@ -58,7 +58,8 @@ _KERNELS = {"mosaic": mosaic, "triton": triton, "mosaic_gpu": mosaic_gpu}
 
 def _plan(backend: Backend, interpret, blocks: BlockSizes, q, tables: Tables, offset, options):
   return TilePlan.make(backend, blocks, q, tables, compiled=not interpret,
-                       far_offset=offset is not None, **options)
+                       far_offset=offset is not None,
+                       offset_levels=1 if offset is None else offset.shape[2], **options)
 
 
 def _forward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vbar, offset,
@@ -82,8 +83,14 @@ def _backward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vb
   grads = _KERNELS[backend].backward(plan, blocks, interpret, q, k, v, kbar_p, vbar_p, offset,
                                      tables, do.astype(q.dtype), lse, delta)
   dkbar, dvbar = (g[:, :plan.summaries] for g in grads[3:5])
-  # [B, H, Cs] per-summary parts (padded summaries are never far: 0) -> [H, 1, 1]
-  d_offset = None if offset is None else jnp.sum(grads[5], axis=(0, 2))[:, None, None]
+  # [B, H, Cs] per-summary parts (padded summaries are never far: 0) -> [H, 1, Lo]
+  d_offset = None
+  if offset is not None and plan.offset_levels == 1:
+    d_offset = jnp.sum(grads[5], axis=(0, 2))[:, None, None]
+  elif offset is not None:  # each summary's part to its level's beta (row 5: the level)
+    of_level = (tables.cube_rows[:, None, 5, :, None]
+                == jnp.arange(1, plan.offset_levels + 1, dtype=_F32))      # [B, 1, Cs, L]
+    d_offset = jnp.sum(jnp.where(of_level, grads[5][..., None], 0.0), axis=(0, 2))[:, None]
   return *grads[:3], dkbar, dvbar, d_offset
 
 
@@ -103,7 +110,8 @@ def _from_slots(layout, o, heads: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _attend(q, k, v, kbar, vbar, offset, tables, cfg: KernelConfig, options):
-  """offset: None, or beta [H, 1, 1] float32 (then differentiable too)."""
+  """offset: None, or beta [H, 1, Lo] float32 (then differentiable too): Lo = 1, one beta
+  per head for every level, or Lo = L, beta_{k,h} at [h, 0, k - 1]."""
   return _attend_fwd(q, k, v, kbar, vbar, offset, tables, cfg, options)[0]
 
 
@@ -151,7 +159,7 @@ def _level_summaries(layout, kbar, vbar, rows, levels: int, max_top_cubes):
           over)
 
 
-def _check_levels(levels: int, summary_rope, far_offset, max_top_cubes, heads: int) -> None:
+def _check_levels(levels: int, summary_rope, max_top_cubes) -> None:
   """The multi-level options the kernels take (one-line ValueErrors naming the argument)."""
   if levels == 1:
     if max_top_cubes is not None:
@@ -161,9 +169,6 @@ def _check_levels(levels: int, summary_rope, far_offset, max_top_cubes, heads: i
   if summary_rope is not None:
     raise ValueError(f"pack3d_attention: `summary_rope` is a single-level option; got levels="
                      f"{levels}")
-  if far_offset is not None and jnp.shape(far_offset) == (levels, heads):
-    raise ValueError("pack3d_attention: `far_offset` of shape [levels, H] (per-level offsets) "
-                     "runs on the XLA path (jaxops.pack3d); the kernels take [H]")
   if max_top_cubes is not None:
     checks.ints("pack3d_attention", {"max_top_cubes": max_top_cubes})
 
@@ -183,8 +188,8 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
       With traced coords, an entry needing more than max_cubes cubes gets NaN outputs
       (`jaxops.pack3d_layout.layout_status` says which and why).
     far_offset: None, or beta [H] (float) added to every far-summary logit of its head (of
-      every level); None leaves the kernels exactly as without it (no offset operand, no
-      gradient output). Per-level offsets [levels, H] run on the XLA path.
+      every level), or with levels >= 2 [levels, H], row k - 1 on level k; None leaves the
+      kernels exactly as without it (no offset operand, no gradient output).
     levels, level_radius, max_top_cubes: the multi-level far field, as in
       `jaxops.pack3d.pack3d_attention` (DESIGN.md section 3.1); levels=1 is the single level.
       The kernels visit every summary of every level per query cube (module docstring).
@@ -202,9 +207,13 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     o [B, N, H, D] in q.dtype; matmuls in the input dtype, softmax in float32.
   """
   radii = levels_lib.level_radii(radius_blocks, levels, level_radius)
-  _check_levels(levels, summary_rope, far_offset, max_top_cubes, q.shape[2])
+  _check_levels(levels, summary_rope, max_top_cubes)
+  per_level = levels > 1 and far_offset is not None and jnp.ndim(far_offset) == 2
+  offset_levels = levels if per_level else 1
+  if offset_levels > 1:  # [L, H] per level (shape checked there), its first row for the rest
+    far_offset = levels_lib.offsets_per_level(far_offset, levels, q.shape[2])
   check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks,
-                      far_offset=far_offset)
+                      far_offset=far_offset if offset_levels == 1 else far_offset[0])
   slots = next_pow2(math.prod(block_shape))
   if backend == "mosaic_gpu" and not mosaic_gpu.supports(slots):
     raise ValueError(f"pack3d_attention: backend='mosaic_gpu' needs `block_shape` of 33 to "
@@ -234,8 +243,12 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                   cube_rows=rows, cube_cols=cols,
                   neighbours=layout.neighbours, num_neighbours=layout.num_neighbours)
   options = (("block_bias", bool(block_bias)), ("heads", heads), ("radii", radii))
-  offset = (None if far_offset is None
-            else jnp.asarray(far_offset).astype(_F32).reshape(heads, 1, 1))
+  if far_offset is None:
+    offset = None
+  elif offset_levels == 1:
+    offset = jnp.asarray(far_offset).astype(_F32).reshape(heads, 1, 1)
+  else:  # [L, H] -> [H, 1, L]
+    offset = jnp.swapaxes(far_offset, 0, 1)[:, None, :]
   o = _attend(q_s, k_s, v_s, kbar.astype(q.dtype), vbar.astype(q.dtype), offset, tables, cfg,
               options)
   o = poison_overflow(layout, _from_slots(layout, o, heads))

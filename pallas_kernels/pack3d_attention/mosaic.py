@@ -64,7 +64,11 @@ def _rows(plan: TilePlan, columns):
 def _far(plan: TilePlan, cols_ref, rows_ref, cube, off_ref, h: int):
   """Far biases [1, S] of query cube `cube` (row cube % 8 of its 8-cube block of cube_cols),
   plus head h's far offset (off_ref None: none)."""
-  offset = None if off_ref is None else tiles.entry(off_ref[...], h)
+  offset = None
+  if off_ref is not None and plan.offset_levels == 1:   # [1, H]
+    offset = tiles.entry(off_ref[...], h)
+  elif off_ref is not None:                             # [H, L]: head h's row
+    offset = tiles.head_offsets(tiles.block_row(off_ref[...], h), plan.offset_levels)
   return tiles.far_bias(tiles.query_key(cols_ref[0], jax.lax.rem(cube, 8)), rows_ref[0],
                         plan.radii, plan.block_bias, offset)
 
@@ -274,7 +278,7 @@ class _Specs:
     self.summ = pl.BlockSpec((1, s, hd), lambda a, j, m, nbr, nnb: (m[0], summary(j), 0))
     self.rows = pl.BlockSpec((1, 8, s), lambda a, j, m, nbr, nnb: (m[0], 0, summary(j)))
     self.cols = pl.BlockSpec((1, 8, 8), lambda a, j, m, nbr, nnb: (m[0], _eighth(m[1] + a), 0))
-    self.offset = pl.BlockSpec((1, plan.heads), lambda a, j, m, nbr, nnb: (0, 0))
+    self.offset = pl.BlockSpec(_offset_shape(plan), lambda a, j, m, nbr, nnb: (0, 0))
 
 
 def _outputs(plan: TilePlan, *kinds):
@@ -290,9 +294,14 @@ def _outputs(plan: TilePlan, *kinds):
   return full, per_call
 
 
+def _offset_shape(plan: TilePlan):
+  """The far offsets' block: [1, H] (one per head), or [H, L] per level."""
+  return (1, plan.heads) if plan.offset_levels == 1 else (plan.heads, plan.offset_levels)
+
+
 def _offset_row(plan: TilePlan, offset):
-  """The far offsets [H, 1, 1] as the kernels' [1, H] block (None stays None)."""
-  return None if offset is None else offset.reshape(1, plan.heads)
+  """The far offsets [H, 1, Lo] as the kernels' block (`_offset_shape`; None stays None)."""
+  return None if offset is None else offset.reshape(_offset_shape(plan))
 
 
 def forward(plan: TilePlan, _blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables):
@@ -360,7 +369,7 @@ def backward(plan: TilePlan, _blocks, interpret, q, k, v, kbar, vbar, offset, ta
   out_shape = [jax.ShapeDtypeStruct(kbar.shape, kbar.dtype)] * 2
   absent = ()
   if plan.far_offset:  # betas in; per-summary sums of ds [H, S] out
-    in_specs.append(pl.BlockSpec((1, h), lambda b, s, a: (0, 0)))
+    in_specs.append(pl.BlockSpec(_offset_shape(plan), lambda b, s, a: (0, 0)))
     args.append(offset)
     out_specs.append(pl.BlockSpec((1, h, s), lambda b, s, a: (b, 0, s)))
     out_shape.append(jax.ShapeDtypeStruct((plan.batch, h, plan.c_s), _F32))

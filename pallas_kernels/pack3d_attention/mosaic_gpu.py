@@ -155,8 +155,13 @@ def _far_bias(plgpu, plan: TilePlan, rows_s, key, offset, layout):
   return tiles.far_bias_of(key, rows, plan.radii, plan.block_bias, offset)
 
 
-def _offset(off_ref, h):
-  return None if off_ref is None else off_ref[h]
+def _offset(plan: TilePlan, off_ref, h):
+  """Head h's far offset (per level: a tuple of them), scalars read from gmem, or None."""
+  if off_ref is None:
+    return None
+  if plan.offset_levels == 1:
+    return off_ref[h]
+  return tuple(off_ref[h, k] for k in range(plan.offset_levels))
 
 
 def _online_step(plgpu, plan: TilePlan, carry, q_s, k_s, v_s, p_s, bias):
@@ -200,9 +205,11 @@ def _grid_ids():
 
 def _operands(plan: TilePlan, offset, tables: Tables, *xs):
   """Token and summary operands as [B, R, H, d] views; the tables as the kernels read them:
-  key_bias [B, C, T], offset [H] or None."""
+  key_bias [B, C, T], offset [H] (per level [H, L]) or None."""
   key_bias = tables.key_bias.reshape(plan.batch, plan.cubes, plan.t)
-  offset = None if offset is None else offset.reshape(plan.heads)
+  if offset is not None:
+    offset = offset.reshape((plan.heads,) if plan.offset_levels == 1
+                            else (plan.heads, plan.offset_levels))
   return [_heads(plan, x) for x in xs], key_bias, offset
 
 
@@ -219,7 +226,7 @@ def forward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tabl
     a, h, b = _grid_ids()
     streams = _Streams(plgpu, plan, blocks.num_stages, tf, b, h)
     _load(plgpu, [(_tile(q_ref, b, a, t, h), q_s)], bar)
-    key, beta = _query_key(cols_ref, b, a), _offset(off_ref, h)
+    key, beta = _query_key(cols_ref, b, a), _offset(plan, off_ref, h)
 
     def local(_, k_s, v_s, kb_s, carry):
       bias = plgpu.load(kb_s, layout=cols_l)
@@ -282,7 +289,7 @@ def _dq(plgpu, plan: TilePlan, stages, interpret, xs, key_bias, offset, tables: 
     _load(plgpu, [(_tile(q_ref, b, a, t, h), q_s), (_tile(do_ref, b, a, t, h), do_s),
                   (lse_ref.at[b, a, h], lse_s), (delta_ref.at[b, a, h], delta_s)], bar)
     lse_r, delta_r = (plgpu.load(x, layout=rows_l) for x in (lse_s, delta_s))
-    key, beta = _query_key(cols_ref, b, a), _offset(off_ref, h)
+    key, beta = _query_key(cols_ref, b, a), _offset(plan, off_ref, h)
 
     def step(dq, k_tile, v_tile, ds_buf, bias):
       """dq + ds K for one key tile (`tiles.dq_step`, the scale applied at the end)."""
@@ -398,7 +405,7 @@ def _dsummaries(plgpu, plan: TilePlan, stages, interpret, xs, offset, tables: Ta
     streams = _Streams(plgpu, plan, stages, tf, b, h)
     _load(plgpu, [(_tile(kbar_ref, b, i, s, h), kbar_s), (_tile(vbar_ref, b, i, s, h), vbar_s),
                   (rows_ref.at[b, :, pl.ds(i * s, s)], rows_s)], bar)
-    beta = _offset(off_ref, h)
+    beta = _offset(plan, off_ref, h)
 
     def step(a, q_s, do_s, lse_s, delta_s, carry):
       bias = _far_bias(plgpu, plan, rows_s, _query_key(cols_ref, b, a), beta, rows_l)

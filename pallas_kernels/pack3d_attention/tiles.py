@@ -92,7 +92,7 @@ def dsummary_step(q, k, v, bias, do, lse, delta, scale):
 # cube's key (its level-1 (field, cz, cy, cx)) comes from an [R, 8] block of cube_cols.
 # ----------------------------------------------------------------------------
 
-def _row(rows, i):
+def block_row(rows, i):
   """Row i of a small float32 block as [1, S] (a masked sum: no value slicing)."""
   ids = jax.lax.broadcasted_iota(jnp.int32, rows.shape, 0)
   return jnp.sum(jnp.where(ids == i, rows, 0.0), axis=0, keepdims=True)
@@ -106,7 +106,7 @@ def entry(row, j):
 
 def query_key(cols, r):
   """(field, cz, cy, cx) of the cube in row r of a [R, 8] block of cube_cols, each [1, 1]."""
-  row = _row(cols, r)
+  row = block_row(cols, r)
   return tuple(entry(row, j) for j in range(4))
 
 
@@ -114,13 +114,14 @@ def far_bias(key, rows, radii, block_bias: bool, offset=None):
   """[1, S] float32: log n_b (or 0), plus the head's far offset [1, 1] if given, for the far
   summaries of the query cube `key`; MASK else. radii: (r_1, ..., r_L) (see `far_bias_of`)."""
   used = 5 if len(radii) == 1 else 6   # the level row only with levels
-  return far_bias_of(key, [_row(rows, i) for i in range(used)], radii, block_bias, offset)
+  return far_bias_of(key, [block_row(rows, i) for i in range(used)], radii, block_bias, offset)
 
 
 def far_bias_of(key, rows, radii, block_bias: bool, offset=None):
   """`far_bias` from the summaries' (field, cz, cy, cx, count[, level]) as arrays of one shape
   (the Mosaic GPU kernels load them as vectors in a WGMMA layout); key entries and offset
-  broadcast against them.
+  broadcast against them. offset: the head's beta (every level's), or with levels >= 2 a
+  tuple (beta_1, ..., beta_L) of per-level offsets (`head_offsets`), beta_k on level k.
 
   One level (radii = (r,)): cube b is far iff same field, n_b > 0 and d(a, b) > r. Levels
   (DESIGN.md section 3.1): a level-k summary b is far iff same field, n_b > 0 and
@@ -134,9 +135,19 @@ def far_bias_of(key, rows, radii, block_bias: bool, offset=None):
   else:
     far = (field == key[0]) & (count > 0.0) & _in_far_level(key[1:], (z, y, x), rows[5], radii)
   bias = jnp.log(jnp.maximum(count, 1.0)) if block_bias else jnp.zeros_like(count)
+  if isinstance(offset, tuple):  # the summary's level picks its beta_k
+    offset = sum(jnp.where(rows[5] == k, beta, 0.0) for k, beta in enumerate(offset, 1))
   if offset is not None:
     bias = bias + offset
   return jnp.where(far, bias, MASK)
+
+
+def head_offsets(row, levels: int):
+  """One head's far offsets from a [1, Lo] row of them: Lo = 1 (one beta for every level) its
+  [1, 1] value, else the tuple of Lo per-level values [1, 1] that `far_bias_of` reads."""
+  if levels == 1:
+    return row
+  return tuple(entry(row, k) for k in range(levels))
 
 
 def _ancestor(c, up: int):
@@ -196,8 +207,9 @@ def absent_refs(kernel, positions):
 #   cube_rows [B, 8, Cs] (one column per summary), cube_cols [B, C, 8] (one row per
 #   level-1 query cube) float32 (see `far_bias`)
 #   neighbours [B, C, K] int32, num_neighbours [B, C] int32 (see jaxops.pack3d_layout.CubeLayout)
-#   offset [H, 1, 1] float32 (beta_h; only with a far offset), its gradient's per-summary
-#   parts d_offset [B, H, Cs] float32 (summed outside)
+#   offset [H, 1, Lo] float32 (beta_h, Lo = 1, or per level beta_{k,h}, Lo = L; only with a
+#   far offset), its gradient's per-summary parts d_offset [B, H, Cs] float32 (summed
+#   outside, per level with Lo = L)
 # The Mosaic kernels read these as they are; the Triton ones move the heads first (and pad D
 # to a power of two) on the way in, and back on the way out.
 # ----------------------------------------------------------------------------
@@ -224,7 +236,8 @@ class TilePlan:
   level's summaries with several), S summaries per step, Cs = the summaries padded to S, the
   softmax scale, the far test's radii (r_1, ..., r_L; `far_bias`) and bias, (Mosaic) query
   cubes per call, (Triton) query rows per dK/dV step, and whether the far logits carry a
-  per-head offset (an operand, and a gradient output)."""
+  per-head offset (an operand, and a gradient output) and Lo, its values per head: 1 (every
+  level's) or L (per level)."""
 
   batch: int
   heads: int
@@ -242,13 +255,14 @@ class TilePlan:
   cubes_per_call: int
   dkv_rows: int
   far_offset: bool = False
+  offset_levels: int = 1
 
   @classmethod
   def make(cls, backend: Backend, blocks: BlockSizes, q, tables: Tables, *, heads: int,
            radii: tuple[int, ...], block_bias: bool, compiled: bool,
-           far_offset: bool = False) -> "TilePlan":
-    """q [B, C*T, H*D]; the summaries are cube_rows' columns. compiled=False (interpret mode) lifts the compilers' minimum
-    block_summaries (Mosaic: 128 lanes; Triton: 16 for tl.dot), so small tests can walk
+           far_offset: bool = False, offset_levels: int = 1) -> "TilePlan":
+    """q [B, C*T, H*D]; the summaries are cube_rows' columns. compiled=False (interpret mode)
+    lifts the compilers' minimum block_summaries (Mosaic: 128 lanes; Triton: 16 for tl.dot), so small tests can walk
     several summary blocks."""
     batch, d = q.shape[0], q.shape[2] // heads
     cubes, _, t = tables.key_bias.shape[1:]
@@ -278,7 +292,7 @@ class TilePlan:
       d_pad, per_call, rows = d, min(blocks.cubes_per_call, cubes), t
     return cls(batch, heads, cubes, t, d, d_pad, tables.neighbours.shape[2], summaries, s,
                round_up(summaries, s), 1.0 / math.sqrt(d), tuple(radii), block_bias, per_call,
-               rows, far_offset)
+               rows, far_offset, offset_levels)
 
   @property
   def summary_blocks(self) -> int:

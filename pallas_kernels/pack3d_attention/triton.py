@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxops.tiling import next_pow2
 from pallas_kernels.pack3d_attention import tiles
 from pallas_kernels.pack3d_attention.tiles import Tables, TilePlan
 
@@ -33,9 +34,22 @@ def _neighbour_loop(nbr_ref, nnb_ref, body, init):
                            init)
 
 
-def _offset(off_ref):
-  """The head's far offset [1, 1], or None."""
-  return None if off_ref is None else off_ref[0]
+def _offset(plan: TilePlan, off_ref):
+  """The head's far offset [1, 1] (per level: a tuple of them, `tiles.head_offsets`), or
+  None."""
+  return None if off_ref is None else tiles.head_offsets(off_ref[0], plan.offset_levels)
+
+
+def _offset_lanes(plan: TilePlan, offset):
+  """The far offsets [H, 1, Lo] with Lo padded to a power of two (Triton blocks)."""
+  if offset is None or plan.offset_levels == 1:
+    return offset
+  return jnp.pad(offset, ((0, 0), (0, 0), (0, _offset_width(plan) - plan.offset_levels)))
+
+
+def _offset_width(plan: TilePlan) -> int:
+  """Lo rounded up to a power of two (1 stays 1)."""
+  return next_pow2(plan.offset_levels, minimum=1)
 
 
 def _summary_loop(plan: TilePlan, cols_ref, rows_ref, off_ref, body, init):
@@ -46,7 +60,7 @@ def _summary_loop(plan: TilePlan, cols_ref, rows_ref, off_ref, body, init):
   def step(i, carry):
     cols = _rows(i, s)
     bias = tiles.far_bias(key, rows_ref[0, :, cols], plan.radii, plan.block_bias,
-                          _offset(off_ref))
+                          _offset(plan, off_ref))
     return body(cols, bias, carry)
 
   return jax.lax.fori_loop(0, plan.summary_blocks, step, init)
@@ -108,7 +122,7 @@ def _dkv_kernel(nbr_ref, nnb_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_re
 def _dsummary_kernel(q_ref, do_ref, lse_ref, delta_ref, kbar_ref, vbar_ref, rows_ref, cols_ref,
                      off_ref, dkbar_ref, dvbar_ref, doff_ref, *, plan: TilePlan):
   kbar, vbar, t = kbar_ref[0, 0], vbar_ref[0, 0], plan.t
-  rows, offset = rows_ref[0], _offset(off_ref)
+  rows, offset = rows_ref[0], _offset(plan, off_ref)
 
   def query_cube(a, carry):
     toks = _rows(a, t)
@@ -185,13 +199,13 @@ class _Specs:
     self.cols = pl.BlockSpec((1, 1, 8), lambda b, h, a: (b, a, 0))
     self.nbr = pl.BlockSpec((1, 1, k_max), lambda b, h, a: (b, a, 0))
     self.nnb = pl.BlockSpec((1, 1), lambda b, h, a: (b, a))
-    self.offset = pl.BlockSpec((1, 1, 1), lambda b, h, a: (h, 0, 0))
+    self.offset = pl.BlockSpec((1, 1, _offset_width(plan)), lambda b, h, a: (h, 0, 0))
 
 
 def forward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables):
   """o [B, C*T, H*D] and lse [B, C, H, T] from the shared layout (`tiles`)."""
   o, lse = _forward(plan, blocks, interpret, *(_split_heads(plan, x) for x in (q, k, v, kbar, vbar)),
-                    offset, tables)
+                    _offset_lanes(plan, offset), tables)
   return _merge_heads(plan, o), _rows_to_stats(plan, lse)
 
 
@@ -200,8 +214,8 @@ def backward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, tab
   """dq, dk, dv, dkbar, dvbar in the shared layout and, with a far offset, its per-summary
   parts [B, H, Cs]."""
   heads = [_split_heads(plan, x) for x in (q, k, v, kbar, vbar)]
-  grads = _backward(plan, blocks, interpret, *heads, offset, tables, _split_heads(plan, do),
-                    *(_stats_to_rows(plan, x) for x in (lse, delta)))
+  grads = _backward(plan, blocks, interpret, *heads, _offset_lanes(plan, offset), tables,
+                    _split_heads(plan, do), *(_stats_to_rows(plan, x) for x in (lse, delta)))
   return (*(_merge_heads(plan, g) for g in grads[:5]),
           *(g.reshape(plan.batch, plan.heads, plan.c_s) for g in grads[5:]))
 
@@ -252,7 +266,7 @@ def _backward(plan: TilePlan, blocks, interpret, q, k, v, kbar, vbar, offset, ta
   out_specs, out_shape = [summ, summ], [jax.ShapeDtypeStruct(kbar.shape, kbar.dtype)] * 2
   absent = ()
   if plan.far_offset:  # beta_h in; per-summary sums of ds [1, S] out
-    in_specs.append(pl.BlockSpec((1, 1, 1), lambda b, h, i: (h, 0, 0)))
+    in_specs.append(pl.BlockSpec((1, 1, _offset_width(plan)), lambda b, h, i: (h, 0, 0)))
     args.append(offset)
     out_specs.append(pl.BlockSpec((1, 1, 1, s), lambda b, h, i: (b, h, 0, i)))
     out_shape.append(jax.ShapeDtypeStruct((plan.batch, plan.heads, 1, plan.c_s), _F32))
