@@ -121,25 +121,30 @@ def test_two_summary_blocks():
   check_case(F32, 16, "default", True, layout="sparse")
 
 
-def _custom_calls(device_kind: str, dtype, block_shape=BLOCK):
+def _custom_calls(device_kind: str, dtype, block_shape=BLOCK, d=32, **blocks):
   """(Mosaic GPU, Triton) custom calls in the gradient of `backend=None` lowered for a GPU."""
-  spec = jax.ShapeDtypeStruct((2, COORDS.shape[1], H, 32), dtype)
+  spec = jax.ShapeDtypeStruct((2, COORDS.shape[1], H, d), dtype)
   op = lambda q, k, v: pack_kernel.pack3d_attention(q, k, v, COORDS, FIELDS,
-                                                    block_shape=block_shape)
+                                                    block_shape=block_shape, **blocks)
   grad = jax.grad(functools.partial(kernel_checks.sin_loss, op), argnums=(0, 1, 2))
   text = kernel_checks.export_mlir(grad, "cuda", spec, spec, spec, device_kind=device_kind)
   return tuple(text.count(kernel_checks.BACKEND_CALL[b]) for b in ("mosaic_gpu", "triton"))
 
 
-@pytest.mark.parametrize("device_kind, dtype, block_shape, calls", [
-    (kernel_checks.HOPPER_DEVICE_KIND, BF16, BLOCK, (4, 0)),       # forward, dq, dK/dV, summaries
-    (kernel_checks.CUDA_DEVICE_KIND, BF16, BLOCK, (0, 4)),         # Ampere: Triton
-    (kernel_checks.HOPPER_DEVICE_KIND, F32, BLOCK, (0, 4)),        # float32: Triton
-    (kernel_checks.HOPPER_DEVICE_KIND, BF16, (2, 2, 2), (0, 4)),   # 8-token cubes: Triton
-], ids=["h100", "a100", "h100-f32", "h100-small-cubes"])
+HOPPER, AMPERE = kernel_checks.HOPPER_DEVICE_KIND, kernel_checks.CUDA_DEVICE_KIND
+
+
+@pytest.mark.parametrize("device_kind, dtype, options, calls", [
+    (HOPPER, BF16, {}, (4, 0)),                                  # forward, dq, dK/dV, summaries
+    (AMPERE, BF16, {}, (0, 4)),                                  # Ampere: Triton
+    (HOPPER, F32, {}, (0, 4)),                                   # float32: Triton
+    (HOPPER, BF16, {"block_shape": (2, 2, 2)}, (0, 4)),          # 8-token cubes: Triton
+    (HOPPER, BF16, {"d": 264}, (0, 4)),                          # D > 256: Triton
+    (HOPPER, BF16, {"block_summaries": 32}, (0, 4)),             # not WGMMA rows: Triton
+], ids=["h100", "a100", "h100-f32", "h100-small-cubes", "h100-wide-heads", "h100-blocks32"])
 def test_auto_picks_mosaic_gpu_on_hopper_for_bf16_and_64_slot_cubes(device_kind, dtype,
-                                                                  block_shape, calls):
-  assert _custom_calls(device_kind, dtype, block_shape) == calls
+                                                                  options, calls):
+  assert _custom_calls(device_kind, dtype, **options) == calls
 
 
 def test_forced_mosaic_gpu_refuses_cubes_it_cannot_tile():
@@ -149,3 +154,12 @@ def test_forced_mosaic_gpu_refuses_cubes_it_cannot_tile():
   with pytest.raises(ValueError, match=r"backend='mosaic_gpu' needs `block_shape` of 33 to 64"):
     pack_kernel.pack3d_attention(q, q, q, coords, jnp.zeros((1, 8), jnp.int32),
                                  block_shape=(2, 2, 2), backend="mosaic_gpu")
+
+
+def test_forced_mosaic_gpu_names_a_head_width_it_cannot_tile():
+  q = jnp.ones((1, 64, 1, 264), BF16)
+  coords = jnp.asarray(np.stack(np.meshgrid(*[np.arange(4)] * 3, indexing="ij"), -1)
+                       .reshape(1, 64, 3), jnp.int32)
+  with pytest.raises(ValueError, match=r"needs the head width D .* <= 256, got 264"):
+    pack_kernel.pack3d_attention(q, q, q, coords, jnp.zeros((1, 64), jnp.int32),
+                                 backend="mosaic_gpu")

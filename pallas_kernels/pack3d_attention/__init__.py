@@ -215,11 +215,12 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks,
                       far_offset=far_offset if offset_levels == 1 else far_offset[0])
   slots = next_pow2(math.prod(block_shape))
-  if backend == "mosaic_gpu" and not mosaic_gpu.supports(slots):
-    raise ValueError(f"pack3d_attention: backend='mosaic_gpu' needs `block_shape` of 33 to "
-                     f"{mosaic_gpu.SLOTS} tokens (one WGMMA tile of query rows per cube), got "
-                     f"{tuple(block_shape)}: use backend='triton' or None")
-  backends = ("mosaic", "triton") + (("mosaic_gpu",) if mosaic_gpu.supports(slots) else ())
+  reason = mosaic_gpu.unsupported(slots, block_shape, q.shape[-1],
+                                  block_sizes.get("block_summaries"))
+  if backend == "mosaic_gpu" and reason:
+    raise ValueError(f"pack3d_attention: backend='mosaic_gpu' {reason}: use backend='triton' "
+                     "or None")
+  backends = ("mosaic", "triton") + (() if reason else ("mosaic_gpu",))
   cfg = KernelConfig.make("pack3d_attention", BlockSizes, backend=backend, interpret=interpret,
                           block_sizes=block_sizes, backends=backends)
   layout = cube_layout(coords, field_ids, block_shape=block_shape, radius_blocks=radius_blocks,

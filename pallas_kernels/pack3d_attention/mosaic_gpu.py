@@ -2,7 +2,8 @@
 memory, WGMMA matmuls with float32 accumulators in registers, one warpgroup per block.
 
 A query cube's T = 64 slots are WGMMA's M rows (one warpgroup), so this body serves cubes of
-33 to 64 tokens (T = 64 slots, e.g. 4x4x4; `supports`); the op keeps the others on Triton.
+33 to 64 tokens (T = 64 slots, e.g. 4x4x4) and D <= 256 (`unsupported`); the op keeps
+the others on Triton.
 Head h of a slot row is the lane slice [h*D, (h+1)*D) of the shared layout (`tiles`): the
 kernels see [B, C*T, H, d] views of it (a reshape, free) and TMA one head's [T, d] tile. D is
 WGMMA's contraction axis for q k^T, so it is padded with zeros to d, a multiple of 16, in
@@ -51,8 +52,18 @@ _F32 = jnp.float32
 SLOTS = 64  # slots per cube this body serves: one warpgroup's WGMMA M
 
 
-def supports(slots_per_cube: int) -> bool:
-  return slots_per_cube == SLOTS
+def unsupported(slots_per_cube: int, block_shape, head_dim: int, block_summaries) -> str | None:
+  """Why this body cannot serve a call (None: it can): a cube's slots are one WGMMA tile of
+  query rows (64), D padded to 16 is WGMMA's N for p V (at most 256), and the summary kernel's
+  blocks of summaries are WGMMA's M (a multiple of 64)."""
+  if slots_per_cube != SLOTS:
+    return (f"needs `block_shape` of 33 to {SLOTS} tokens (one WGMMA tile of query rows per "
+            f"cube), got {tuple(block_shape)}")
+  if -(-head_dim // 16) * 16 > 256:
+    return f"needs the head width D (the last dim of `q`) <= 256, got {head_dim}"
+  if block_summaries is not None and block_summaries % 64:
+    return f"needs `block_summaries` a multiple of 64, got {block_summaries}"
+  return None
 
 
 def _layouts(plgpu):
