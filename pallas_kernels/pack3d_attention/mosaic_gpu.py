@@ -197,16 +197,11 @@ def _zeros(plgpu, shape, layout=None):
 def _call(plgpu, kernel, plan: TilePlan, grid, out_type, scratch, interpret, name, *args):
   """plgpu.kernel over grid (cube or summary block, head, batch entry); a None operand (no
   far offset) reaches the kernel as a None ref."""
-  present = [x is not None for x in args]
-
-  def body(*refs):
-    refs, it = list(refs), iter(refs[:sum(present)])
-    ins = [next(it) if p else None for p in present]
-    return kernel(*ins, *refs[sum(present):])
-
+  body = tiles.absent_refs(kernel, [i for i, x in enumerate(args) if x is None])
   return plgpu.kernel(
       body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("a", "h", "b"),
-      compiler_params=compiler_params(plgpu), interpret=interpret_params(plgpu, interpret), kernel_name=name,
+      compiler_params=compiler_params(plgpu), interpret=interpret_params(plgpu, interpret),
+      kernel_name=name,
   )(*(x for x in args if x is not None))
 
 
