@@ -20,6 +20,7 @@ dtype. Shapes are the paper's and the configs' (the ones a user runs):
              65k_far_offset, seg3d_far_offset  the same with a learnable far offset [H]
                     (one more operand in the kernels, one more output in the backward);
                     grad only (its forward kernel is part of it)
+             seg3d_l3_far_offset  seg3d with 3 levels and per-level offsets [L, H]
   frac_scan  16k    B=1 L=16384 H=4 P=64 N=16 M=16
              lm     configs/lm_default.py: B=8 L=128 H=4 P=32 N=16 M=default(128)=12
 
@@ -69,7 +70,9 @@ SHAPES = {
                "1m_seg3d_l3": dict(b=1, grid=(64, 128, 128), h=4, d=24, levels=3),
                "seg3d": dict(b=8, grid=(12, 16, 16), h=4, d=24),
                "65k_far_offset": dict(b=2, grid=(64, 32, 32), h=2, d=48, far_offset=True),
-               "seg3d_far_offset": dict(b=8, grid=(12, 16, 16), h=4, d=24, far_offset=True)},
+               "seg3d_far_offset": dict(b=8, grid=(12, 16, 16), h=4, d=24, far_offset=True),
+               "seg3d_l3_far_offset": dict(b=8, grid=(12, 16, 16), h=4, d=24, levels=3,
+                                           far_offset=True)},
     "frac_scan": {"16k": dict(b=1, l=16384, h=4, p=64, n=16, m=16),
                   "lm": dict(b=8, l=128, h=4, p=32, n=16, m=12)},
 }
@@ -136,11 +139,12 @@ def build(case: Case, kind: str):
     from pallas_kernels.pack3d_attention import pack3d_attention
     n = math.prod(s["grid"])
     x = ((s["b"], n, s["h"], s["d"]), dtype)
-    offset = [((s["h"],), jnp.float32)] if s.get("far_offset") else []
+    levels = s.get("levels", 1)
+    beta = (s["h"],) if levels == 1 else (levels, s["h"])  # with levels: per level
+    offset = [(beta, jnp.float32)] if s.get("far_offset") else []
     specs = [x, x, x, *offset, ((s["b"], n, 3), jnp.int32), ((s["b"], n), jnp.int32)]
     cubes = math.prod(-(-g // 4) for g in s["grid"])
     num_diff = 3 + len(offset)
-    levels = s.get("levels", 1)
     if levels > 1:  # the top level's slots: the grid's level-L cubes (4 * 2^(L-1) per axis)
       blocks.update(levels=levels, max_top_cubes=math.prod(
           -(-g // (4 * 2 ** (levels - 1))) for g in s["grid"]))
