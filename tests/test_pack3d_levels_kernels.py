@@ -126,9 +126,10 @@ def test_one_level_is_the_single_level_kernel():
 
 
 def test_traced_coordinates_with_max_top_cubes():
-  """Coords traced (max_cubes slots, the top level bounded by max_top_cubes): the exact top
-  slot count gives the concrete result; one slot fewer would drop a top-level cube, so the
-  entry's output is NaN."""
+  """Coords traced (max_cubes slots, the top level bounded by max_top_cubes, the levels
+  below by 8^(L-k) times it): the exact top slot count gives the concrete result; one slot
+  fewer would drop a top-level cube, so the entry's output is NaN. Concrete coords closed
+  over by a jitted function give the concrete result too."""
   case = "L3_r1_2_1"
   args = [jnp.asarray(a, F32) for a in (xla_cases.Q, xla_cases.K, xla_cases.V)]
   layout = cube_layout(COORDS, FIELDS, block_shape=BLOCK, radius_blocks=1)
@@ -141,6 +142,9 @@ def test_traced_coordinates_with_max_top_cubes():
   np.testing.assert_allclose(traced(*args, COORDS, FIELDS, exact), concrete, rtol=1e-6,
                              atol=1e-6)
   assert bool(jnp.all(jnp.isnan(traced(*args, COORDS, FIELDS, exact - 1))))
+  # concrete coords inside a jitted function: every level's slots known at trace time
+  jitted = jax.jit(lambda q, k, v: _op("triton", case)(q, k, v))(*args)
+  np.testing.assert_allclose(jitted, concrete, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("options, match", [
