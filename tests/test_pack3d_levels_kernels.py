@@ -43,10 +43,10 @@ def _beta(case: str):
 BODIES = {"mosaic": dict(block_summaries=8),
           "triton": dict(block_summaries=8, block_q_dkv=2)}
 # Relative to max|reference| (gradients: `independent_checks.check_directional`'s scale).
-# Measured over the matrix, Mosaic and Triton: f32 output <= 1.6e-7, gradients <= 5.6e-7;
-# bf16 output <= 2.1e-3 (the bf16 output's own rounding), gradients <= 3.5e-3 (summaries and
-# probabilities enter the matmuls rounded to bf16). Mosaic GPU: f32 2.1e-7 / 1.3e-7, bf16
-# 2.6e-3 / 1.8e-3.
+# Measured over the matrix, Mosaic and Triton: f32 output <= 1.6e-7, gradients <= 2.5e-7;
+# bf16 output <= 2.4e-3 (the bf16 output's own rounding), gradients <= 4.0e-3 (summaries and
+# probabilities enter the matmuls rounded to bf16). Mosaic GPU: f32 2.5e-7 / 1.9e-7, bf16
+# 3.4e-3 / 2.2e-3.
 TOL = {F32: 1e-5, BF16: 1e-2}
 GRAD_TOL = {F32: 1e-5, BF16: 1e-2}
 
