@@ -147,19 +147,17 @@ def test_auto_picks_mosaic_gpu_on_hopper_for_bf16_and_64_slot_cubes(device_kind,
   assert _custom_calls(device_kind, dtype, **options) == calls
 
 
-def test_forced_mosaic_gpu_refuses_cubes_it_cannot_tile():
-  q = jnp.ones((1, 8, 1, 16), BF16)
-  coords = jnp.asarray(np.stack(np.meshgrid(*[np.arange(2)] * 3, indexing="ij"), -1)
-                       .reshape(1, 8, 3), jnp.int32)
-  with pytest.raises(ValueError, match=r"backend='mosaic_gpu' needs `block_shape` of 33 to 64"):
-    pack_kernel.pack3d_attention(q, q, q, coords, jnp.zeros((1, 8), jnp.int32),
-                                 block_shape=(2, 2, 2), backend="mosaic_gpu")
-
-
-def test_forced_mosaic_gpu_names_a_head_width_it_cannot_tile():
-  q = jnp.ones((1, 64, 1, 264), BF16)
-  coords = jnp.asarray(np.stack(np.meshgrid(*[np.arange(4)] * 3, indexing="ij"), -1)
-                       .reshape(1, 64, 3), jnp.int32)
-  with pytest.raises(ValueError, match=r"needs the head width D .* <= 256, got 264"):
-    pack_kernel.pack3d_attention(q, q, q, coords, jnp.zeros((1, 64), jnp.int32),
-                                 backend="mosaic_gpu")
+@pytest.mark.parametrize("side, d, options, match", [
+    (2, 16, {"block_shape": (2, 2, 2)}, r"needs `block_shape` of 33 to 64"),
+    (4, 264, {}, r"needs the head width D .* <= 256, got 264"),
+    (4, 16, {"block_summaries": 32}, r"needs `block_summaries` a multiple of 64, got 32"),
+], ids=["cubes", "head-width", "summary-blocks"])
+def test_forced_mosaic_gpu_names_what_it_cannot_tile(side, d, options, match):
+  """A forced backend='mosaic_gpu' on a call its body cannot tile is a one-line error naming
+  the argument (backend=None runs Triton there: the dispatch test above)."""
+  q = jnp.ones((1, side ** 3, 1, d), BF16)
+  coords = jnp.asarray(np.stack(np.meshgrid(*[np.arange(side)] * 3, indexing="ij"), -1)
+                       .reshape(1, side ** 3, 3), jnp.int32)
+  with pytest.raises(ValueError, match="backend='mosaic_gpu' " + match):
+    pack_kernel.pack3d_attention(q, q, q, coords, jnp.zeros((1, side ** 3), jnp.int32),
+                                 backend="mosaic_gpu", **options)
