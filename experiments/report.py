@@ -254,8 +254,9 @@ def frac_extrapolate(d) -> str:
 
 
 def _at_chosen_lr(runs: dict, best: dict) -> tuple[dict, str]:
-  """The runs of each arm at one learning rate: its swept best, or (sweep not finished) the
-  rate with the most seeds; and a line saying which."""
+  """The runs of each arm at one learning rate: its swept best once that rate has as many
+  seeds as any other, else (sweep or seeds not finished) the rate with the most seeds; and a
+  line saying which."""
   by_arm: dict = {}
   for r in runs.values():
     by_arm.setdefault(r["arm"], []).append(r)
@@ -264,9 +265,11 @@ def _at_chosen_lr(runs: dict, best: dict) -> tuple[dict, str]:
     counts = {}
     for r in rs:
       counts[r["lr"]] = counts.get(r["lr"], 0) + 1
-    lr = best.get(a, max(counts, key=counts.get))
+    most = max(counts, key=counts.get)
+    lr = best[a] if a in best and counts[best[a]] == counts[most] else most
     chosen.update({k: r for k, r in runs.items() if r["arm"] == a and r["lr"] == lr})
-    notes.append(f"{a} {lr:g}" + ("" if a in best else " (sweep pending)"))
+    notes.append(f"{a} {lr:g}" + ("" if lr == best.get(a) else " (sweep pending)"
+                                  if a not in best else f" (best {best[a]:g}: seeds pending)"))
   return chosen, "Learning rate of each arm's rows below: " + ", ".join(notes) + "."
 
 
