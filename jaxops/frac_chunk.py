@@ -1,7 +1,8 @@
 """One chunk of the FRAC scan, forward and backward, as 2-D tile math; and the tile plan.
 
-The chunked XLA path (`jaxops.frac.frac_scan`, vmapped over groups) and both Pallas
-kernels (`pallas_kernels.frac_scan`, Mosaic and Triton) run these same functions. They
+The chunked XLA path (`jaxops.frac.frac_scan`, vmapped over groups) and the Mosaic and
+Triton kernels (`pallas_kernels.frac_scan`) run these same functions (the Mosaic GPU kernel
+computes the same terms in its own transposed WGMMA tiles: `frac_scan/mosaic_gpu.py`). They
 use only ops both Pallas backends lower: 2-D matmuls, elementwise math, masked row and
 column sums (no cumsum, no slicing of values, no integer division).
 
@@ -23,7 +24,9 @@ is ever live (the registers of one GPU thread block hold it).
 
 Precision: matmuls of inputs (x, c, bd, their cotangents) run in the input dtype with
 float32 accumulation (bf16 on the MXU / tensor cores for bf16 inputs); everything that
-touches a state, and every decay, is float32 (f32 matmuls at HIGHEST precision).
+touches a state, and every decay, is float32 (f32 matmuls at HIGHEST precision). The Mosaic
+GPU kernel differs here: its WGMMA operands, states included, are in the input dtype (float32
+accumulation), since TF32 WGMMA would need transposed copies of every state operand.
 """
 
 from __future__ import annotations
