@@ -355,7 +355,8 @@ def _sweep_table(runs: list, lrs, metric: str, lower_is_better: bool, digits: in
   pick = min if lower_is_better else max
   best, rows = {}, []
   for a in arms:
-    at = {r["lr"]: r[metric] for r in runs if r["arm"] == a and r["seed"] == first}
+    scores = {r["lr"]: r[metric] for r in runs if r["arm"] == a and r["seed"] == first}
+    at = {lr: scores[lr] for lr in lrs if lr in scores}  # in sweep order: ties go as the runner's
     if len(at) == len(lrs):
       best[a] = pick(at, key=at.get)
     r0 = next(r for r in runs if r["arm"] == a)
