@@ -255,17 +255,12 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     o [B, N, H, D] in q.dtype (matmuls in the input dtype, float32 accumulation).
   """
   radii = levels_lib.level_radii(radius_blocks, levels, level_radius)
+  levels_lib.check_level_options(levels, max_top_cubes, gates=gates, summary_rope=summary_rope)
   if levels > 1:
-    if gates is not None or summary_rope is not None:
-      raise ValueError("pack3d_attention: `gates` and `summary_rope` are single-level options;"
-                       f" got levels={levels}")
     beta = levels_lib.offsets_per_level(far_offset, levels, q.shape[2])
     far_offset = None if beta is None else beta[0]     # the [H] form, for the input checks
   check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks, gates, far_offset)
-  checks.ints("pack3d_attention", {"chunk": chunk, **checks.given(max_top_cubes=max_top_cubes)})
-  if levels == 1 and max_top_cubes is not None:
-    raise ValueError("pack3d_attention: `max_top_cubes` is a multi-level option (levels >= 2); "
-                     f"got max_top_cubes={max_top_cubes} with levels=1")
+  checks.ints("pack3d_attention", {"chunk": chunk})
   offset = None if far_offset is None else jnp.asarray(far_offset, _F32)
   layout = cube_layout(coords, field_ids, block_shape=block_shape, radius_blocks=radius_blocks,
                        max_cubes=max_cubes)
@@ -335,8 +330,7 @@ def _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias,
   o_c = jax.vmap(one_entry)(q_c, k_c, v_c, layout.key_valid(), kbar, vbar, layout.keys,
                             layout.count, layout.neighbours, layout.num_neighbours)
   o = poison_overflow(layout, layout.from_cubes(o_c))
-  over = levels_lib.top_overflow(layout.keys, layout.count, levels, top)
-  return jnp.where(over[:, None, None, None], jnp.nan, o).astype(q.dtype)
+  return levels_lib.poison_top_overflow(o, layout.keys, layout.count, levels, top).astype(q.dtype)
 
 
 def _attend_levels(q, k_cubes, v_cubes, key_valid, neighbours, num_neighbours, near, top):

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxops import checks
 from jaxops.pack3d_layout import MAX_FIELDS, cube_distance
 
 _F32 = jnp.float32
@@ -55,6 +56,21 @@ def level_radii(radius_blocks: int, levels: int, level_radius=None) -> tuple[int
                        f"ceil(r_{k} / 2) = {math.ceil(r / 2)} (`level_radius`): keys would be "
                        f"counted twice or missed")
   return radii
+
+
+def check_level_options(levels: int, max_top_cubes, **single_level) -> None:
+  """One-line ValueErrors shared by the XLA path and the kernels: `max_top_cubes` (a positive
+  int) only with levels >= 2, the single-level options given (not None) only with levels = 1."""
+  if levels == 1:
+    if max_top_cubes is not None:
+      raise ValueError("pack3d_attention: `max_top_cubes` is a multi-level option (levels >= 2)"
+                       f"; got max_top_cubes={max_top_cubes} with levels=1")
+    return
+  for name, value in single_level.items():
+    if value is not None:
+      raise ValueError(f"pack3d_attention: `{name}` is a single-level option (single-level "
+                       f"options need levels=1); got levels={levels}")
+  checks.ints("pack3d_attention", checks.given(max_top_cubes=max_top_cubes))
 
 
 def offsets_per_level(far_offset, levels: int, heads: int):
@@ -149,7 +165,7 @@ def level_structure(keys, count, kbar, vbar, levels: int):
 def top_slots(keys, count, levels: int, bound: int | None = None) -> int:
   """Slots the top level needs over the batch (keys int [B, C, 4], count [B, C]): its boxes'
   total volume when the layout is concrete (known at trace time), else `bound` (default C,
-  which fits any layout; `top_overflow` flags an entry that needs more)."""
+  which fits any layout; `poison_top_overflow` flags an entry that needs more)."""
   if isinstance(keys, jax.core.Tracer) or isinstance(count, jax.core.Tracer):
     return min(bound or keys.shape[1], keys.shape[1])
   with jax.ensure_compile_time_eval():  # inside a jit trace too
@@ -161,7 +177,7 @@ def level_slots(keys, count, levels: int, max_top_cubes: int | None = None) -> t
   stream). Concrete layouts: each level's exact box volume (`top_slots`). Traced ones: the
   top level's `top_slots(..., max_top_cubes)` = M_L, and min(C, 8^(L-k) M_L) for k < L: per
   axis a field's level-k box is at most twice as long as its level-(k+1) box (lo_k >=
-  2 lo_{k+1}, hi_k <= 2 hi_{k+1} + 1), so whenever the top level fits (else `top_overflow`
+  2 lo_{k+1}, hi_k <= 2 hi_{k+1} + 1), so whenever the top level fits (else `poison_top_overflow`
   makes the entry NaN) level k fits too."""
   top = top_slots(keys, count, levels, max_top_cubes)
   below = lambda k: top_slots(keys, count, k, min(keys.shape[1], 8 ** (levels - k) * top))
@@ -173,11 +189,12 @@ def _box_volume(keys, count, level: int):
   return jnp.sum(jnp.prod(_box(keys, count, level)[1], axis=-1))
 
 
-def top_overflow(keys, count, levels: int, slots: int):
-  """bool [B]: the entry's top-level boxes need more than `slots` slots (traced coords with
-  too small a `max_top_cubes`: its cubes past the slots would be dropped, so the op makes its
-  output NaN, as for a level-1 overflow)."""
-  return jax.vmap(lambda k, c: _box_volume(k, c, levels) > slots)(keys, count)
+def poison_top_overflow(o, keys, count, levels: int, slots: int):
+  """o [B, ...] with NaN in the entries whose top-level boxes need more than `slots` slots
+  (traced coords with too small a `max_top_cubes`: their cubes past the slots were dropped),
+  as `pack3d_layout.poison_overflow` does for a level-1 overflow."""
+  over = jax.vmap(lambda k, c: _box_volume(k, c, levels) > slots)(keys, count)
+  return jnp.where(over.reshape((-1,) + (1,) * (o.ndim - 1)), jnp.nan, o)
 
 
 def top_mask(query_keys, keys, count, level: int, radius: int):

@@ -401,7 +401,7 @@ MUTANTS = [
       "& (cube_distance(own, keys[None, :, 1:]) >= radius))",
       "tests/test_pack3d_levels.py::test_xla_path_matches_the_independent_reference"),
     m("pack3d_levels_top_overflow_not_poisoned", "jaxops/pack3d.py",
-      "return jnp.where(over[:, None, None, None], jnp.nan, o)", "return jnp.where(False, jnp.nan, o)",
+      "levels_lib.poison_top_overflow(o, layout.keys, layout.count, levels, top)", "(o)",
       "tests/test_pack3d_levels.py::test_max_top_cubes_bounds_the_top_level_and_poisons_an_overflow"),
     m("pack3d_levels_top_bound_ignored", "jaxops/pack3d_levels.py",
       "return min(bound or keys.shape[1], keys.shape[1])", "return keys.shape[1]",
@@ -434,7 +434,7 @@ MUTANTS = [
       "jnp.arange(0, plan.offset_levels, dtype=_F32)",
       f"{P3K}::test_kernel_matches_the_independent_reference"),
     m("pack3d_kernel_levels_top_overflow_not_poisoned", "pallas_kernels/pack3d_attention/__init__.py",
-      "o = jnp.where(top_over[:, None, None, None], jnp.nan, o)", "pass",
+      "o = levels_lib.poison_top_overflow(o, layout.keys, layout.count, levels, top_slots)", "pass",
       f"{P3K}::test_traced_coordinates_with_max_top_cubes"),
     # ------------------------------------------------------------------ GPU dispatch
     m("mosaic_gpu_float32_allowed", "pallas_kernels/dispatch.py",

@@ -40,7 +40,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxops import checks
 from jaxops import pack3d_levels as levels_lib
 from jaxops.pack3d import MASK, check_pack3d_inputs, cube_summaries
 from jaxops.pack3d_layout import cube_layout, poison_overflow
@@ -138,8 +137,8 @@ def _level_summaries(layout, kbar, vbar, rows, levels: int, max_top_cubes):
   per level). Row 5 of the table is each summary's level k, rows 1..3 its level-k cube
   (`tiles.far_bias`).
 
-  Returns kbar, vbar [B, M, H*D], rows [B, 8, M] (M the summaries of all levels) and bool [B]:
-  the entries whose top level needs more than its slots (their output is made NaN)."""
+  Returns kbar, vbar [B, M, H*D], rows [B, 8, M] (M the summaries of all levels) and the top
+  level's slots (an entry needing more gets NaN: `pack3d_levels.poison_top_overflow`)."""
   keys, count = layout.keys, layout.count
   # [B, C, 1, H*D]: pack3d_levels' [C, H, D] summaries with the heads kept on the lanes
   per_level = jax.vmap(lambda *a: levels_lib.level_structure(*a, levels))(
@@ -154,23 +153,8 @@ def _level_summaries(layout, kbar, vbar, rows, levels: int, max_top_cubes):
     cols = jnp.concatenate([keys_k[:, :slots].astype(_F32), count_k[:, :slots, None],
                             jnp.zeros(count_k[:, :slots].shape + (3,), _F32)], axis=-1)
     tables.append(tagged(jnp.swapaxes(cols, 1, 2), k))
-  over = levels_lib.top_overflow(keys, count, levels, level_slots[-1])
   return (jnp.concatenate(kbars, 1), jnp.concatenate(vbars, 1), jnp.concatenate(tables, 2),
-          over)
-
-
-def _check_levels(levels: int, summary_rope, max_top_cubes) -> None:
-  """The multi-level options the kernels take (one-line ValueErrors naming the argument)."""
-  if levels == 1:
-    if max_top_cubes is not None:
-      raise ValueError("pack3d_attention: `max_top_cubes` is a multi-level option (levels >= 2)"
-                       f"; got max_top_cubes={max_top_cubes} with levels=1")
-    return
-  if summary_rope is not None:
-    raise ValueError(f"pack3d_attention: `summary_rope` is a single-level option; got levels="
-                     f"{levels}")
-  if max_top_cubes is not None:
-    checks.ints("pack3d_attention", {"max_top_cubes": max_top_cubes})
+          level_slots[-1])
 
 
 def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
@@ -207,7 +191,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     o [B, N, H, D] in q.dtype; matmuls in the input dtype, softmax in float32.
   """
   radii = levels_lib.level_radii(radius_blocks, levels, level_radius)
-  _check_levels(levels, summary_rope, max_top_cubes)
+  levels_lib.check_level_options(levels, max_top_cubes, summary_rope=summary_rope)
   per_level = levels > 1 and far_offset is not None and jnp.ndim(far_offset) == 2
   offset_levels = levels if per_level else 1
   if offset_levels > 1:  # [L, H] per level (shape checked there), its first row for the rest
@@ -238,7 +222,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   rows = layout.cube_rows()
   cols = jnp.swapaxes(rows, 1, 2)                                 # the level-1 query cubes
   if levels > 1:
-    kbar, vbar, rows, top_over = _level_summaries(layout, kbar, vbar, rows, levels,
+    kbar, vbar, rows, top_slots = _level_summaries(layout, kbar, vbar, rows, levels,
                                                   max_top_cubes)
   tables = Tables(key_bias=jnp.where(layout.key_valid(), 0.0, MASK)[:, :, None, :],
                   cube_rows=rows, cube_cols=cols,
@@ -254,5 +238,5 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
               options)
   o = poison_overflow(layout, _from_slots(layout, o, heads))
   if levels > 1:
-    o = jnp.where(top_over[:, None, None, None], jnp.nan, o)
+    o = levels_lib.poison_top_overflow(o, layout.keys, layout.count, levels, top_slots)
   return o
