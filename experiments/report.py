@@ -275,7 +275,7 @@ def _at_chosen_lr(runs: dict, best: dict) -> tuple[dict, str]:
 
 def repacking(d) -> str:
   order = ["learned_packed", "rope_packed", "axial_rope", "none", "local_only", "dense",
-           "far_offset"]
+           "far_offset", "levels2"]
   runs, out = d["runs"], []
   lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs.values() if "lr" in r})
   if len(lrs) > 1:  # swept: a sweep table, then every arm at its own best rate
@@ -326,7 +326,10 @@ def repacking(d) -> str:
                  "over the seeds\n\n" + _table(["arm", "shapes", "per seed",
                                                  "mean [95% interval]"], rows))
   walls = {a: np.mean([r["wall_s"] for r in rs]) / 60 for a, rs in arms.items()}
-  out.append("Wall time per run (min): " + ", ".join(f"{a} {w:.1f}" for a, w in walls.items()))
+  speeds = {a: np.mean([r["steps_per_s"] for r in rs]) for a, rs in arms.items()}
+  out.append("Wall time per run (min): " + ", ".join(f"{a} {w:.1f}" for a, w in walls.items())
+             + "; training steps/s (mean over seeds, beside other jobs): "
+             + ", ".join(f"{a} {v:.2f}" for a, v in speeds.items()))
   return "\n\n".join(out)
 
 
@@ -415,7 +418,8 @@ def main(argv) -> None:
                    ("lm_ffn_stdlib", lm_ffn), ("lm_ffn_large_shakespeare", lm_ffn),
                    ("frac_memory_diag", frac_memory),
                    ("frac_memory", frac_memory), ("frac_extrapolate", frac_extrapolate),
-                   ("repacking", repacking), ("far3d", repacking), ("seg3d_cpu", seg3d)):
+                   ("repacking", repacking), ("far3d", repacking), ("far3d_levels", repacking),
+                   ("seg3d_cpu", seg3d)):
     d = _load(directory, name)
     if d is None:
       continue

@@ -298,8 +298,8 @@ def test_far3d_report_shows_each_arm_at_its_own_best_lr():
     metrics = {"acc_objects": acc, "acc_tokens": acc, "acc_far_marker": acc,
                "acc_near_surface": acc, "max_logit_change": 0.0}
     ev = {name: {l: metrics for l in layouts} for name in ("train_shapes", "unseen_shapes")}
-    return {"arm": arm, "lr": lr, "seed": seed, "params": 10, "wall_s": 60.0, "eval": ev,
-            "acc_objects_train_layout": acc}
+    return {"arm": arm, "lr": lr, "seed": seed, "params": 10, "wall_s": 60.0, "steps_per_s": 0.5,
+            "eval": ev, "acc_objects_train_layout": acc}
 
   runs = [run("axial_rope", 1e-3, 0, 0.90), run("axial_rope", 2e-3, 0, 0.95),
           run("axial_rope", 2e-3, 1, 0.94), run("local_only", 1e-3, 0, 0.60),
