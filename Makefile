@@ -65,7 +65,7 @@ compile-check-tpu: setup $(AOT_TPU)
 # The GPU half alone (A100: Triton; H100/H200: Mosaic GPU for FlashFFN, Triton for the rest),
 # its rows merged into the table with the TPU rows of the last full run.
 compile-check-gpu: setup $(AOT_GPU)
-	$(PY) -m benchmarks.aot.check --targets=gpu-a100,gpu-h100,gpu-h200 --merge --readme
+	$(PY) -m benchmarks.aot.check --targets=gpu-a100,gpu-h100,gpu-h200,gpu-b200 --merge --readme
 
 # FlashFFN vs SwiGLU fwd+bwd memory from the TPU and GPU compilers' memory analysis.
 memory-aot: aot-setup

@@ -31,12 +31,13 @@ from jaxops import checks
 Backend = Literal["mosaic", "triton", "mosaic_gpu"]
 BACKENDS = ("mosaic", "triton", "mosaic_gpu")
 _PLATFORM = {"mosaic": "tpu", "triton": "cuda", "mosaic_gpu": "cuda"}
-CHIPS = ("tpu-v5e", "tpu-v6e", "gpu-a100", "gpu-h100", "gpu-h200")
+CHIPS = ("tpu-v5e", "tpu-v6e", "gpu-a100", "gpu-h100", "gpu-h200", "gpu-b200")
 # Compute capability of the GPU chips, for a deviceless compile that names its target.
-_CAPABILITY = {"gpu-a100": (8, 0), "gpu-h100": (9, 0), "gpu-h200": (9, 0)}
+_CAPABILITY = {"gpu-a100": (8, 0), "gpu-h100": (9, 0), "gpu-h200": (9, 0),
+               "gpu-b200": (10, 0)}
 _DEVICE_KINDS = (("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v6 lite", "tpu-v6e"),
                  ("v6e", "tpu-v6e"), ("a100", "gpu-a100"), ("h100", "gpu-h100"),
-                 ("h200", "gpu-h200"))
+                 ("h200", "gpu-h200"), ("b200", "gpu-b200"))
 _chip_override: list[str] = []
 # The oldest JAX whose Mosaic GPU API the kernels use (checked in its interpreter).
 MOSAIC_GPU_MIN_JAX = (0, 11, 2)

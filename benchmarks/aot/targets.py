@@ -7,7 +7,8 @@ GPU: XLA's `GpuTargetConfig` text protos (copied from openxla/xla
 0.10.2 does not parse; 0.12 reads them as they are) give the CUDA plugin the device it
 compiles for; Pallas reads the compute capability from the GPU model named in their
 `device_description_str`; `shared_memory_per_block_optin` is the per-block shared-memory
-limit a kernel must fit. On Hopper targets (jax >= 0.12) FlashFFN compiles as a Mosaic GPU
+limit a kernel must fit (b200.txtpb: XLA's public B200 spec, compute capability 10.0).
+On Hopper targets (jax >= 0.12) FlashFFN compiles as a Mosaic GPU
 kernel: Mosaic turns it into PTX and runs ptxas during XLA's compile, and checks its shared
 memory against the limit set with `artificial_shared_memory_limit` (see worker.py).
 """
@@ -42,6 +43,7 @@ TARGETS = {t.name: t for t in (
     Target("gpu-a100", "gpu", "a100_sxm_80.txtpb", 166_912),
     Target("gpu-h100", "gpu", "h100_sxm.txtpb", 232_448, hopper=True),
     Target("gpu-h200", "gpu", "h200.txtpb", 232_448, hopper=True),
+    Target("gpu-b200", "gpu", "b200.txtpb", 232_448),
 )}
 
 
