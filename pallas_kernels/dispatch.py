@@ -1,13 +1,14 @@
 """Shared by every kernel's entry point: pick the lowering for the platform and the tiles
 for the chip.
 
-Each op has a Mosaic (TPU) and a Triton (GPU) kernel body, and some a Mosaic GPU one
-(Hopper: TMA and WGMMA; jax >= 0.11.2). Its public function builds a `KernelConfig` from
-its keyword arguments and runs its forward and backward through `dispatch`, which uses
-`jax.lax.platform_dependent` so that one jitted function runs interpreted on CPU and
-compiles for TPU and GPU. On a CUDA GPU the kernel body is chosen per chip when the
-program is traced (`gpu_backend`): Mosaic GPU on Hopper (compute capability 9.x) where the
-op has one, Triton on Ampere, on Blackwell (WGMMA is Hopper-only) and for the other ops.
+Each op has a Mosaic (TPU) and a Triton (GPU) kernel body, and a Mosaic GPU one (jax >=
+0.11.2: TMA, and WGMMA on Hopper or tcgen05 on Blackwell, `mosaic_gpu_common`). Its public
+function builds a `KernelConfig` from its keyword arguments and runs its forward and
+backward through `dispatch`, which uses `jax.lax.platform_dependent` so that one jitted
+function runs interpreted on CPU and compiles for TPU and GPU. On a CUDA GPU the kernel
+body is chosen per chip when the program is traced (`gpu_backend`): Mosaic GPU on the
+generations its body serves (Hopper, compute capability 9.x, for every op; Blackwell, 10.x,
+for the ops listed with it), Triton on Ampere and otherwise.
 
 Block sizes come from each op's table of tuned entries, keyed by (backend, chip, dtype)
 (levanter's `tuned_block_sizes`); every entry is compiled by `make compile-check` for its
@@ -41,6 +42,8 @@ _DEVICE_KINDS = (("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v6 lite", "tpu-v6
 _chip_override: list[str] = []
 # The oldest JAX whose Mosaic GPU API the kernels use (checked in its interpreter).
 MOSAIC_GPU_MIN_JAX = (0, 11, 2)
+# Compute-capability majors of the tensor-core generations a Mosaic GPU body may serve.
+HOPPER, BLACKWELL = 9, 10
 
 
 @contextlib.contextmanager
@@ -119,13 +122,14 @@ def mosaic_gpu_dtype_ok(dtype) -> bool:
   return jnp.dtype(dtype).itemsize == 2
 
 
-def gpu_backend(backends=BACKENDS, dtype=jnp.bfloat16) -> Backend:
+def gpu_backend(backends=BACKENDS, dtype=jnp.bfloat16, generations=(HOPPER,)) -> Backend:
   """The GPU kernel body for the chip being compiled for and the inputs' dtype, among an
-  op's `backends`: Mosaic GPU on Hopper (its kernels use WGMMA, which only sm_90a has) for
-  16-bit inputs, else Triton (float32; Ampere, Blackwell, unknown GPUs). Measured on an H200:
-  FlashFFN bf16 fwd+bwd 1.33x faster on Mosaic GPU than on Triton."""
+  op's `backends`: Mosaic GPU for 16-bit inputs on the compute-capability majors in
+  `generations` (the tensor cores its body is written for: Hopper's WGMMA, and Blackwell's
+  tcgen05 where the op lists it), else Triton (float32; Ampere, unknown GPUs). Measured on
+  an H200: FlashFFN bf16 fwd+bwd 1.33x faster on Mosaic GPU than on Triton."""
   capability = compute_capability()
-  if ("mosaic_gpu" in backends and capability is not None and capability[0] == 9
+  if ("mosaic_gpu" in backends and capability is not None and capability[0] in generations
       and mosaic_gpu_available() and mosaic_gpu_dtype_ok(dtype)):
     return "mosaic_gpu"
   return "triton"
@@ -157,6 +161,7 @@ class KernelConfig:
     `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`) everywhere; False never.
   overrides: block-size fields set by the caller, as sorted (name, value) pairs.
   backends: the kernel bodies the op has.
+  generations: the compute-capability majors its Mosaic GPU body serves (`gpu_backend`).
   """
 
   op: str
@@ -165,10 +170,11 @@ class KernelConfig:
   interpret: Any
   overrides: tuple
   backends: tuple = ("mosaic", "triton")
+  generations: tuple = (HOPPER,)
 
   @classmethod
   def make(cls, op: str, blocks_type: type, *, backend, interpret, block_sizes: dict,
-           backends: tuple = ("mosaic", "triton")):
+           backends: tuple = ("mosaic", "triton"), generations: tuple = (HOPPER,)):
     known = {f.name for f in dataclasses.fields(blocks_type)}
     unknown = set(block_sizes) - known
     if unknown:
@@ -180,7 +186,7 @@ class KernelConfig:
       raise ValueError(f"{op}: backend='mosaic_gpu' needs jax >= 0.11.2 (plgpu.kernel and its "
                        f"interpreter); this is jax {jax.__version__}")
     cfg = cls(op, blocks_type, backend, interpret, tuple(sorted(block_sizes.items())),
-              tuple(backends))
+              tuple(backends), tuple(generations))
     check_positive(op, dataclasses.replace(blocks_type(), **block_sizes))
     return cfg
 
@@ -216,6 +222,7 @@ def dispatch(fn, cfg: KernelConfig, *args):
   # interpret=False on CPU: the compiled kernel, which Pallas refuses to lower there
   # (raising at trace time instead would also break TPU/GPU: every branch is traced).
   default = branch(cfg.backend or "mosaic", cfg.interpret is None)
-  backends = (cfg.backend,) if cfg.backend else ("mosaic", gpu_backend(cfg.backends, dtype))
+  backends = (cfg.backend,) if cfg.backend else (
+      "mosaic", gpu_backend(cfg.backends, dtype, cfg.generations))
   return jax.lax.platform_dependent(
       *args, default=default, **{_PLATFORM[b]: branch(b, False) for b in backends})

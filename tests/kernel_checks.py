@@ -24,6 +24,7 @@ BACKEND_CALL = {"mosaic": "tpu_custom_call", "triton": "__gpu$xla.gpu.triton",
 # An Ampere GPU, so `backend=None` picks the Triton body (Hopper ones get Mosaic GPU).
 CUDA_DEVICE_KIND = "NVIDIA A100-SXM4-80GB"
 HOPPER_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
+BLACKWELL_DEVICE_KIND = "NVIDIA B200"
 
 
 def export_mlir(fn, platform: str, *args, device_kind: str = CUDA_DEVICE_KIND) -> str:

@@ -25,8 +25,8 @@ dtype. Shapes are the paper's and the configs' (the ones a user runs):
              lm     configs/lm_default.py: B=8 L=128 H=4 P=32 N=16 M=default(128)=12
 
 The kernel body is the one `backend=None` picks for the target (Triton on A100, Mosaic GPU
-for FlashFFN and for bfloat16 Pack3D and FRAC scan on H100/H200, Mosaic on TPU); a case may
-force one ("...@triton").
+for bfloat16 FlashFFN, Pack3D and FRAC scan on H100/H200 and for bfloat16 FlashFFN on B200,
+Mosaic on TPU); a case may force one ("...@triton").
 
 `oversized` cases ask for blocks no chip can hold; the check expects them to FAIL (the
 proof that a kernel that does not fit is caught).
@@ -78,13 +78,17 @@ SHAPES = {
 }
 
 # Blocks far beyond any chip's on-chip memory, one per backend's limiting resource
-# ("hopper": the Mosaic GPU kernel, which H100/H200 compile besides the Triton one).
+# ("hopper", "blackwell": the Mosaic GPU kernel, which H100/H200 and B200 compile besides the
+# Triton one; Blackwell's tiles are at most 128 rows, so four stages of three [128, d_h]
+# tables, 384 KiB).
 OVERSIZED = {
     "tpu": Case("flash_ffn", "370m", "fwd", "float32", (("block_q", 16384),), True),
     "gpu": Case("flash_ffn", "370m", "fwd", "float32",
                 (("block_q", 256), ("block_inter", 256)), True),
     "hopper": Case("flash_ffn", "370m", "fwd", "bfloat16",
                    (("block_inter", 256), ("num_stages", 4)), True, backend="mosaic_gpu"),
+    "blackwell": Case("flash_ffn", "370m", "fwd", "bfloat16",
+                      (("block_inter", 128), ("num_stages", 4)), True, backend="mosaic_gpu"),
 }
 
 
@@ -98,17 +102,19 @@ def parse(name: str) -> Case:
   return Case(op, shape, direction, dtype, blocks, expect_failure, backend)
 
 
-def all_cases(kind: str, ops=None, hopper: bool = False, shapes=None) -> list[Case]:
+def all_cases(kind: str, ops=None, hopper: bool = False, shapes=None,
+              blackwell: bool = False) -> list[Case]:
   """Every shape x direction x dtype of the given ops (far-offset shapes: grad only), plus the
-  target kind's oversized case (and the Mosaic GPU one on a Hopper target) when their op is
-  among `ops`. `shapes` (a set of shape names, None: all) selects shapes and leaves the
+  target kind's oversized case (and the Mosaic GPU one on a Hopper or Blackwell target) when
+  their op is among `ops`. `shapes` (a set of shape names, None: all) selects shapes and leaves the
   oversized cases out."""
   cases = [Case(op, shape, direction, dtype)
            for op, op_shapes in SHAPES.items() if ops is None or op in ops
            for shape, sizes in op_shapes.items() if shapes is None or shape in shapes
            for direction in (("grad",) if sizes.get("far_offset") else ("fwd", "grad"))
            for dtype in ("float32", "bfloat16")]
-  oversized = [OVERSIZED[kind]] + ([OVERSIZED["hopper"]] if hopper else [])
+  oversized = ([OVERSIZED[kind]] + ([OVERSIZED["hopper"]] if hopper else [])
+               + ([OVERSIZED["blackwell"]] if blackwell else []))
   if shapes is not None:
     return cases
   return cases + [c for c in oversized if ops is None or c.op in ops]

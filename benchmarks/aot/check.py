@@ -41,14 +41,14 @@ BEGIN, END = "<!-- compile-check:begin -->", "<!-- compile-check:end -->"
 def run_target(target, cases, timeout: float) -> list[dict]:
   """Compiles `cases` for `target` in worker processes; a case past `timeout` is recorded
   as such (its process group killed: ptxas runs as a child) and the rest resume. On Hopper
-  targets every case gets its own process: Mosaic GPU compiles a kernel once per process
+  and Blackwell targets every case gets its own process: Mosaic GPU compiles a kernel once per process
   (the same forward kernel in a later gradient case would have no ptxas report)."""
   python = ROOT / target.venv / "bin" / "python"
   if not python.exists():
     sys.exit(f"compile check: {python} is missing; run `make compile-check` (it creates "
              f"{target.venv} with the pinned compiler packages)")
   env = dict(os.environ, PYTHONPATH=str(ROOT), **environment(target))
-  batches = [[c] for c in cases] if target.hopper else [list(cases)]
+  batches = [[c] for c in cases] if target.mosaic_gpu else [list(cases)]
   return [r for batch in batches for r in _run_batch(target, python, env, batch, timeout)]
 
 
@@ -213,8 +213,8 @@ def main(argv=None):
     if name not in TARGETS:
       sys.exit(f"compile check: unknown target {name!r}; expected some of {sorted(TARGETS)}")
     target = TARGETS[name]
-    results += run_target(target, cases_lib.all_cases(target.kind, ops, target.hopper, shapes),
-                          args.timeout)
+    results += run_target(target, cases_lib.all_cases(target.kind, ops, target.hopper, shapes,
+                                                      target.blackwell), args.timeout)
   elapsed = time.monotonic() - start
   ran = sorted({r["target"] for r in results}, key=list(TARGETS).index)
   if args.merge and (previous := pathlib.Path(args.out + ".json")).exists():

@@ -9,7 +9,7 @@ compiles for; Pallas reads the compute capability from the GPU model named in th
 `device_description_str`; `shared_memory_per_block_optin` is the per-block shared-memory
 limit a kernel must fit (b200.txtpb: XLA's public B200 spec, compute capability 10.0).
 On Hopper targets (jax >= 0.12) FlashFFN compiles as a Mosaic GPU
-kernel: Mosaic turns it into PTX and runs ptxas during XLA's compile, and checks its shared
+kernel (on Blackwell too, with tcgen05): Mosaic turns it into PTX and runs ptxas during XLA's compile, and checks its shared
 memory against the limit set with `artificial_shared_memory_limit` (see worker.py).
 """
 
@@ -30,6 +30,12 @@ class Target:
   # (GPU); default scoped VMEM (TPU; raise it with CompilerParams(vmem_limit_bytes=...)).
   on_chip_limit: int
   hopper: bool = False    # WGMMA and TMA: where the Mosaic GPU kernels run
+  blackwell: bool = False  # tcgen05 and tensor memory: the FlashFFN Mosaic GPU kernels run
+
+  @property
+  def mosaic_gpu(self) -> bool:
+    """Whether some op compiles as a Mosaic GPU kernel for this target."""
+    return self.hopper or self.blackwell
 
   @property
   def venv(self) -> str:
@@ -43,7 +49,7 @@ TARGETS = {t.name: t for t in (
     Target("gpu-a100", "gpu", "a100_sxm_80.txtpb", 166_912),
     Target("gpu-h100", "gpu", "h100_sxm.txtpb", 232_448, hopper=True),
     Target("gpu-h200", "gpu", "h200.txtpb", 232_448, hopper=True),
-    Target("gpu-b200", "gpu", "b200.txtpb", 232_448),
+    Target("gpu-b200", "gpu", "b200.txtpb", 232_448, blackwell=True),
 )}
 
 

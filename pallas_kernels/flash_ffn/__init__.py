@@ -10,10 +10,11 @@ one over (e, c) tiles loops over all tokens for dK, dU, dV.
 Files: `blocks.py` (tile sizes and the per-chip tuned table), `tiles.py` (tile math and
 the tile plan, shared), `mosaic.py` (TPU: reductions on "arbitrary" grid axes with VMEM
 accumulators), `triton.py` (GPU: reductions as fori_loops inside each program),
-`mosaic_gpu.py` (Hopper GPUs, jax >= 0.11.2: TMA pipelines and WGMMA).
+`mosaic_gpu.py` (Hopper and Blackwell GPUs, jax >= 0.11.2: TMA pipelines, and WGMMA or
+tcgen05 with tensor-memory accumulators).
 
 `mhffn` is the one public entry point. It dispatches with `jax.lax.platform_dependent`:
-Mosaic on TPU; on a CUDA GPU Mosaic GPU for Hopper and Triton otherwise
+Mosaic on TPU; on a CUDA GPU Mosaic GPU for Hopper and Blackwell and Triton otherwise
 (`dispatch.gpu_backend`); the Mosaic kernel in interpret mode elsewhere (CPU). For
 the backward it keeps (q, r^T, K, U, V) with the router transposed to [H, E, T], tokens
 on the lane axis (see `tiles.py`), never the [T, H, E] form a TPU pads to 128 lanes.
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxops.flash_ffn import check_mhffn_inputs
-from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
+from pallas_kernels.dispatch import BLACKWELL, HOPPER, Backend, KernelConfig, dispatch
 from pallas_kernels.flash_ffn import mosaic, mosaic_gpu, triton
 from pallas_kernels.flash_ffn.blocks import TUNED, BlockSizes
 from pallas_kernels.flash_ffn.tiles import TilePlan
@@ -82,7 +83,7 @@ def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **bl
     r: [B, L, H, E] normalized router weights.
     k, u, v: [H, E, d_e, d_h] gate / up / down tables (q's dtype).
     interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Mosaic GPU on
-      Hopper, Triton otherwise); True (or the backend's interpreter params,
+      Hopper and Blackwell for 16-bit inputs, Triton otherwise); True (or the backend's interpreter params,
       `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`) interprets everywhere; False
       never interprets.
     backend: force one lowering ("mosaic", "triton" or "mosaic_gpu", the last on jax >=
@@ -96,5 +97,6 @@ def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **bl
   """
   check_mhffn_inputs(q, r, k, u, v)
   cfg = KernelConfig.make("mhffn", BlockSizes, backend=backend, interpret=interpret,
-                          block_sizes=block_sizes, backends=("mosaic", "triton", "mosaic_gpu"))
+                          block_sizes=block_sizes, backends=("mosaic", "triton", "mosaic_gpu"),
+                          generations=(HOPPER, BLACKWELL))
   return _mhffn(q, r, k, u, v, cfg)

@@ -18,9 +18,10 @@ class BlockSizes:
 
   block_q: tokens per tile of the forward and dq kernels. Mosaic: a multiple of 128
     (tokens are the lane axis of the router block) unless one tile holds every token.
-    Mosaic GPU: a multiple of 64 (WGMMA's M).
+    Mosaic GPU: a multiple of 64 (WGMMA's M); 128 on Blackwell (tcgen05's M).
   block_inter: d_e columns per (expert, d_e tile) step of the reduction; the dK/dU/dV
-    kernel owns one such tile per program. Mosaic GPU: a multiple of 64.
+    kernel owns one such tile per program. Mosaic GPU: 16, 32 or a multiple of 64 (at most
+    128 on Blackwell, where the dK/dU/dV kernel's tile is 128 rows).
   block_q_dkv: tokens per step of the dK/dU/dV kernel's token loop (same rule as block_q).
   num_warps, num_stages: Triton launch parameters per kernel (ignored by Mosaic).
     Mosaic GPU: num_stages is the depth of its TMA pipelines (buffers per streamed tile).
@@ -59,4 +60,10 @@ TUNED = {
                                                 num_stages=2),
     ("mosaic_gpu", None, "bfloat16"): BlockSizes(block_q=64, block_inter=32, block_q_dkv=32,
                                                  num_stages=2),
+    # Blackwell (tcgen05): accumulators in tensor memory, M = 128 token rows (table rows in
+    # the dK/dU/dV kernel); the [128, block_inter] products are loaded into registers.
+    ("mosaic_gpu", "gpu-b200", "float32"): BlockSizes(block_q=128, block_inter=16,
+                                                      block_q_dkv=16, num_stages=2),
+    ("mosaic_gpu", "gpu-b200", "bfloat16"): BlockSizes(block_q=128, block_inter=32,
+                                                       block_q_dkv=32, num_stages=2),
 }

@@ -1,15 +1,19 @@
-"""FlashFFN on Hopper GPUs (Mosaic GPU, jax >= 0.11.2): TMA loads into shared memory, WGMMA
-matmuls with float32 accumulators in registers, one warpgroup per block.
+"""FlashFFN on Hopper and Blackwell GPUs (Mosaic GPU, jax >= 0.11.2): TMA loads into shared
+memory, tensor-core matmuls with float32 accumulators, one warpgroup per block. The tensor
+core is the chip's (`mosaic_gpu_common`): Hopper's WGMMA, accumulators in registers;
+Blackwell's tcgen05, accumulators in tensor memory, every tile 128 rows (tcgen05's M) and
+the running sums loaded into registers once, at the end.
 
 Forward and dq/dr kernels: one block per (head, token tile of bq). The block loads its
 tokens of q (and ds) and the router's [E, bq] block once, then a pipelined loop over every
 (expert e, d_e tile c) streams the table tiles in (`plgpu.emit_pipeline`, `num_stages`
-buffers each) and accumulates [bq, d_h] in registers. Tiles are [bq, bi]: tokens are
-WGMMA's M (block_q a multiple of 64). The dK/dU/dV kernel: one block per (head, e, tile of
+buffers each) and accumulates [bq, d_h]. Tiles are [bq, bi]: tokens are M (block_q a
+multiple of 64; Blackwell: 128). The dK/dU/dV kernel: one block per (head, e, tile of
 `rows_dkuv` table rows); it keeps its table tiles in shared memory and streams every token
-tile through, tiles [rows, bk] (rows are M: a multiple of 64). When three [rows, d_h]
-float32 accumulators would not fit the register file next to the tiles, it makes two
-passes over the tokens: dK and dU, then dV (which recomputes its two scores).
+tile through, tiles [rows, bk] (rows are M: a multiple of 64; Blackwell: 128). When three
+[rows, d_h] float32 accumulators would not fit (Hopper: the register file next to the
+tiles; Blackwell: tensor memory next to the step's products), it makes two passes over the
+tokens: dK and dU, then dV (which recomputes its two scores).
 
 The elementwise tile math is `tiles.weighted_activation` and `tiles.activation_grads`,
 the formula the Mosaic (TPU) and Triton kernels use.
@@ -21,8 +25,9 @@ instruction transposes 16-bit operands). Float32 runs as TensorFloat-32 products
 float32 accumulation (as Triton's float32 dots do by default; the interpreter on CPU
 computes in float32), and TF32 WGMMA wants both operands K-major: the float32 path also
 streams transposed copies that XLA makes before the kernels (V^T in the forward; K^T, U^T
-in the dq kernel; q^T, ds^T in the dK/dU/dV kernel). All shared-memory operands of a
-kernel share one swizzle (WGMMA needs A's and B's to match).
+in the dq kernel; q^T, ds^T in the dK/dU/dV kernel); tcgen05 runs the same code. All
+shared-memory operands of a kernel share one swizzle (an MMA needs A's and B's to match).
+On a real chip `dispatch` serves 16-bit inputs only (`dispatch.mosaic_gpu_dtype_ok`).
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.dispatch import mosaic_gpu_module
 from pallas_kernels.flash_ffn.tiles import TilePlan, activation_grads, weighted_activation
-from pallas_kernels.mosaic_gpu_common import (compiler_params, interpret_params, products,
+from pallas_kernels.mosaic_gpu_common import (accumulators, blackwell, compiler_params,
+                                              interpret_params, mma, mma_wait, products, read,
                                               smem_transforms, store_operands)
 
 _F32 = jnp.float32
@@ -61,6 +67,11 @@ class _Layout:
 def _operand(plgpu, shape, dtype, transforms):
   """A shared-memory A operand [M, K] in the WGMMA layout (tiled, swizzled)."""
   return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def _not_first(idx):
+  """Whether a pipeline step at grid index `idx` adds to its accumulators (not the first)."""
+  return functools.reduce(jnp.logical_or, [i > 0 for i in idx])
 
 
 def _two_byte(dtype) -> bool:
@@ -96,15 +107,15 @@ def forward(plan: TilePlan, q, r, k, u, v, interpret):
                                            (q_s, u_s.transpose((1, 0)))])
         r_e = lax.broadcast_in_dim(r_s[idx[0]], (bq, bi), [0])
         store_operands(plgpu, [(a_s, weighted_activation(m, n, r_e))])
-        plgpu.wgmma(acc, a_s, v_s if wide else v_s.transpose((1, 0)))
-        plgpu.wgmma_wait(0)  # a_s and the tiles' slots are reused
+        mma(plgpu, acc, a_s, v_s if wide else v_s.transpose((1, 0)), accumulate=_not_first(idx))
+        mma_wait(plgpu, acc)  # a_s and the tiles' slots are reused
 
       plgpu.emit_pipeline(step, grid=(plan.experts, plan.d_e // bi),
                           in_specs=[table(), table(), v_spec], max_concurrent_steps=steps,
                           )(k_ref.at[h], u_ref.at[h], v_ref.at[h])
-      return acc[...]
+      return read(plgpu, acc)[0]
 
-    o = pl.run_scoped(run, plgpu.ACC((bq, d), _F32))
+    o = accumulators(plgpu, run, (bq, d))
     q_s[...] = o.astype(dtype)  # q's buffer is free: every WGMMA reading it has finished
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_s, layout.rows(o_ref, h, t0, bq))
@@ -169,17 +180,17 @@ def _dq_dr(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
 
         store_operands(plgpu, [(dm_s, dm), (dn_s, dn)])
         k_b, u_b = (k_s, u_s) if wide else (t.transpose((1, 0)) for t in t_s)
-        plgpu.wgmma(acc, dm_s, k_b)
-        plgpu.wgmma(acc, dn_s, u_b)
-        plgpu.wgmma_wait(0)
+        mma(plgpu, acc, dm_s, k_b, accumulate=_not_first(idx))
+        mma(plgpu, acc, dn_s, u_b)
+        mma_wait(plgpu, acc)
 
       plgpu.emit_pipeline(step, grid=(plan.experts, plan.d_e // bi),
                           in_specs=[table(), table(), table()] + [table_t() for _ in extra],
                           max_concurrent_steps=steps,
                           )(k_ref.at[h], u_ref.at[h], v_ref.at[h], *(t.at[h] for t in t_refs))
-      return acc[...]
+      return read(plgpu, acc)[0]
 
-    dq = pl.run_scoped(run, plgpu.ACC((bq, d), _F32))
+    dq = accumulators(plgpu, run, (bq, d))
     q_s[...] = dq.astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_s, layout.rows(dq_ref, h, t0, bq))
@@ -202,19 +213,25 @@ def _dq_dr(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
   )(q, r, ds, k, u, v, *extra)
 
 
-def _dkuv_passes(rows: int, d: int):
+def _dkuv_passes(rows: int, d: int, bk: int):
   """Which of (dK, dU, dV) each pass over the tokens accumulates: all three at once when
-  their float32 accumulators take at most 128 registers per thread, else dK and dU, then
-  dV (which recomputes the two scores it needs)."""
-  per_acc = rows * d // 128
-  return ((0, 1, 2),) if 3 * per_acc <= 128 else ((0, 1), (2,))
+  their float32 accumulators fit, else dK and dU, then dV (which recomputes the two scores
+  it needs). Hopper: they fit in at most 128 registers per thread. Blackwell: they and the
+  step's three [rows, bk] products fit the 512 columns of tensor memory (each allocation a
+  power of two >= 32 columns)."""
+  if blackwell():
+    columns = lambda n: max(32, 1 << (n - 1).bit_length())
+    fits = 3 * columns(d) + 3 * columns(bk) <= 512
+  else:
+    fits = 3 * (rows * d // 128) <= 128
+  return ((0, 1, 2),) if fits else ((0, 1), (2,))
 
 
 def _dkuv(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
   bk, bi, d, steps = plan.blocks.block_q_dkv, plan.rows_dkuv, plan.d_h, plan.blocks.num_stages
   dtype, layout, wide = q.dtype, _Layout(plan.flat, d), _two_byte(q.dtype)
   transforms = smem_transforms(plgpu, dtype, d, bk)
-  passes = _dkuv_passes(bi, d)
+  passes = _dkuv_passes(bi, d, bk)
 
   # q and ds are also B of (dm^T @ q), (dn^T @ q), ((r a)^T @ ds): float32 reads them again
   # as q^T, ds^T [H, d, T].
@@ -248,7 +265,7 @@ def _dkuv(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
       names = ["q", "r"] + (["ds", q_b] if kuv else []) + ([ds_b] if 2 in grads else [])
       names = list(dict.fromkeys(names))
 
-      def step(_, *refs):
+      def step(idx, *refs):
         s = dict(zip(names, refs))
         q_t = s["q"].transpose((1, 0))
         pairs = [(k_s, q_t), (u_s, q_t)] + ([(v_s, s["ds"].transpose((1, 0)))] if kuv else [])
@@ -265,25 +282,27 @@ def _dkuv(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
         store_operands(plgpu, operands)
         for j, lhs in ((0, dm_s), (1, dn_s)):
           if j in grads:
-            plgpu.wgmma(grads[j], lhs, s[q_b] if wide else s[q_b].transpose((1, 0)))
+            mma(plgpu, grads[j], lhs, s[q_b] if wide else s[q_b].transpose((1, 0)),
+                accumulate=_not_first(idx))
         if 2 in grads:
-          plgpu.wgmma(grads[2], ra_s, s[ds_b] if wide else s[ds_b].transpose((1, 0)))
-        plgpu.wgmma_wait(0)
+          mma(plgpu, grads[2], ra_s, s[ds_b] if wide else s[ds_b].transpose((1, 0)),
+              accumulate=_not_first(idx))
+        mma_wait(plgpu, accs[0])
 
       plgpu.emit_pipeline(step, grid=(plan.tokens // bk,),
                           in_specs=[streams[n][1] for n in names], max_concurrent_steps=steps,
                           )(*(streams[n][0] for n in names))
-      return tuple(acc[...] for acc in accs)
-
-    out_refs = (dk_ref, du_ref, dv_ref)
-    for outs in passes:
-      grads = pl.run_scoped(functools.partial(run, outs),
-                            *(plgpu.ACC((bi, d), _F32) for _ in outs))
-      for j, g in zip(outs, grads):
+      # One accumulator at a time into registers (three [rows, d] at once would spill).
+      for j, acc in grads.items():
+        (g,) = read(plgpu, acc)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_s's last copy has read it
         o_s[...] = g.astype(o_s.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_s, out_refs[j].at[h, e, rows])
+
+    out_refs = (dk_ref, du_ref, dv_ref)
+    for outs in passes:
+      accumulators(plgpu, functools.partial(run, outs), *((bi, d) for _ in outs))
     plgpu.wait_smem_to_gmem(0)
 
   table = lambda: plgpu.SMEM((bi, d), k.dtype, transforms=transforms)

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jaxops.tiling import dot, dot_nt, dot_tn, next_pow2, round_up
 from pallas_kernels.dispatch import Backend
 from pallas_kernels.flash_ffn.blocks import BlockSizes
+from pallas_kernels.mosaic_gpu_common import blackwell
 
 _F32 = jnp.float32
 
@@ -129,9 +130,19 @@ class Orientation:
 # Tables stay [H, E, d_e, d_h]. Inside the kernels every block is 2-D.
 # ----------------------------------------------------------------------------
 
+# tcgen05's M in the Blackwell kernels. Mosaic GPU also has M = 64, but its tensor-memory
+# layout (the columns split over two lane halves) wants 16-column multiples and, in jax
+# 0.12, has no register layout that these kernels' row broadcasts lower to.
+_BLACKWELL_M = 128
+
+
 def _fit_tokens(backend: Backend, name: str, block: int, tokens: int) -> int:
   if backend == "mosaic_gpu":  # WGMMA: M a multiple of 64 (block_q); N, K of 16 (block_q_dkv)
-    multiple = 64 if name == "block_q" else 16
+    if name == "block_q" and blackwell() and block != _BLACKWELL_M:
+      raise ValueError(f"mhffn: Mosaic GPU block size `block_q` must be {_BLACKWELL_M} on "
+                       f"Blackwell (tcgen05's M: one accumulator row per tensor-memory lane), "
+                       f"got {block}")
+    multiple = (_BLACKWELL_M if blackwell() else 64) if name == "block_q" else 16
     if block % multiple:
       raise ValueError(f"mhffn: Mosaic GPU block size `{name}` must be a multiple of "
                        f"{multiple}, got {block}")
@@ -183,12 +194,14 @@ class TilePlan:
       # block_inter is an N and a K of WGMMA in the forward and dq kernels; the dK/dU/dV
       # kernel's table rows are its M, a multiple of 64 (`rows_dkuv`). d_h is a K and an N
       # (at most 256) and a shared-memory minor dim: a multiple of 32 bytes.
-      bi = blocks.block_inter
-      if bi % 16 or (bi < 64 and 64 % bi) or (bi > 64 and bi % 64):
+      # Blackwell: the rows are exactly tcgen05's M, 128 (block_inter at most 128).
+      bi, rows = blocks.block_inter, _BLACKWELL_M if blackwell() else 64
+      if (bi % 16 or (bi < 64 and 64 % bi) or (bi > 64 and bi % 64)
+          or (blackwell() and rows % bi)):
         raise ValueError(f"mhffn: Mosaic GPU block size `block_inter` must be 16, 32 or a "
-                         f"multiple of 64, got {bi}")
-      bi = min(bi, round_up(d_e, 64))
-      rows_dkuv = max(bi, 64)
+                         f"multiple of 64 (at most {_BLACKWELL_M} on Blackwell), got {bi}")
+      bi = min(bi, round_up(d_e, rows))
+      rows_dkuv = max(bi, rows)
       padded_d_h = round_up(d_h, 32 // q.dtype.itemsize)
       if padded_d_h > 256:
         raise ValueError(f"mhffn: the Mosaic GPU kernel needs d_h <= 256, got {d_h}")
