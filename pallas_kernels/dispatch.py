@@ -195,6 +195,20 @@ class KernelConfig:
                                **dict(self.overrides))
 
 
+def _check_mosaic_gpu_compiles(cfg: KernelConfig, dtype) -> None:
+  """A ValueError when a forced Mosaic GPU kernel is compiled for what it does not serve:
+  float32 inputs, or a GPU generation its body has no tensor-core form for."""
+  if not mosaic_gpu_dtype_ok(dtype):
+    raise ValueError(f"{cfg.op}: backend='mosaic_gpu' compiles for 16-bit inputs only (its "
+                     f"float32 kernels fault on a real Hopper GPU), got {jnp.dtype(dtype).name}: "
+                     f"use backend='triton' or None")
+  capability = compute_capability()
+  if capability is not None and capability[0] not in cfg.generations:
+    raise ValueError(f"{cfg.op}: backend='mosaic_gpu' has no kernel for compute capability "
+                     f"{capability[0]}.{capability[1]} (it serves majors {cfg.generations}): "
+                     f"use backend='triton' or None")
+
+
 def dispatch(fn, cfg: KernelConfig, *args):
   """Runs fn(backend, interpret, blocks, *args) with the lowering the platform calls for.
 
@@ -207,11 +221,8 @@ def dispatch(fn, cfg: KernelConfig, *args):
   def branch(backend: Backend, interpret: bool):
     return functools.partial(fn, backend, interpret, cfg.blocks_for(backend, dtype))
 
-  if cfg.backend == "mosaic_gpu" and not mosaic_gpu_dtype_ok(dtype) and (
-      cfg.interpret is False or target_platform() != "cpu"):
-    raise ValueError(f"{cfg.op}: backend='mosaic_gpu' compiles for 16-bit inputs only (its "
-                     f"float32 kernels fault on a real Hopper GPU), got {jnp.dtype(dtype).name}: "
-                     f"use backend='triton' or None")
+  if cfg.backend == "mosaic_gpu" and (cfg.interpret is False or target_platform() != "cpu"):
+    _check_mosaic_gpu_compiles(cfg, dtype)
   if cfg.backend == "mosaic_gpu" and cfg.interpret is None:
     # The Mosaic GPU interpreter has ordered effects, and a platform_dependent branch
     # with effects breaks lowering for the other platforms (jax 0.12 lowers only the

@@ -121,13 +121,15 @@ def _benchmark_shape(dtype):
     (kernel_checks.HOPPER_DEVICE_KIND, BF16, None, "mosaic_gpu"),
     (kernel_checks.HOPPER_DEVICE_KIND, F32, None, "triton"),
     (kernel_checks.HOPPER_DEVICE_KIND, BF16, 32, "triton"),
-    (kernel_checks.CUDA_DEVICE_KIND, BF16, None, "triton")],
-    ids=["h100-bf16", "h100-f32", "h100-bf16-chunk32", "a100-bf16"])
+    (kernel_checks.CUDA_DEVICE_KIND, BF16, None, "triton"),
+    (kernel_checks.BLACKWELL_DEVICE_KIND, BF16, None, "triton")],
+    ids=["h100-bf16", "h100-f32", "h100-bf16-chunk32", "a100-bf16", "b200-bf16"])
 def test_auto_picks_the_gpu_kernel_per_chip(device_kind, dtype, chunk, backend):
   """backend=None lowers to Mosaic GPU for a Hopper target with bf16 inputs and the default
   chunk (forward: the in-chunk and the state-walk kernels; gradient: those and the
   backward's two), and to Triton (forward; forward and backward) for float32, for a chunk
-  Mosaic GPU does not serve and for an Ampere target; never to both."""
+  Mosaic GPU does not serve and for an Ampere or a Blackwell target (the kernel is
+  WGMMA's); never to both."""
   op = functools.partial(kernel.frac_scan, chunk=chunk)
   grad = jax.grad(functools.partial(kernel_checks.sin_loss, op), argnums=tuple(range(6)))
   other = {"mosaic_gpu": "triton", "triton": "mosaic_gpu"}[backend]
@@ -150,6 +152,18 @@ def test_forced_mosaic_gpu_names_what_it_cannot_serve(shape, chunk, match):
   with pytest.raises(ValueError, match=match):
     kernel.frac_scan(*args, chunk=chunk, backend="mosaic_gpu",
                      interpret=mosaic_gpu_interpreter())
+
+
+@pytest.mark.parametrize("device_kind, match", [
+    (kernel_checks.BLACKWELL_DEVICE_KIND, "compute capability 10.0"),
+    (kernel_checks.CUDA_DEVICE_KIND, "compute capability 8.0")], ids=["b200", "a100"])
+def test_forced_mosaic_gpu_refused_where_it_has_no_kernel(device_kind, match):
+  """FRAC's Mosaic GPU kernel is WGMMA's (Hopper): forcing it for a B200 or an A100 is a
+  clear error when lowered (auto takes Triton there), not a Mosaic compiler failure."""
+  op = functools.partial(kernel.frac_scan, backend="mosaic_gpu")
+  with pytest.raises(ValueError, match=f"backend='mosaic_gpu' has no kernel for {match}"):
+    kernel_checks.export_mlir(lambda *a: op(*a)[0], "cuda", *_benchmark_shape(BF16),
+                              device_kind=device_kind)
 
 
 @pytest.mark.parametrize("dtype, n, chunk", [(BF16, 16, 64), (BF16, 48, 32), (F32, 16, 32)],

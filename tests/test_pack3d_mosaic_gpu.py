@@ -132,16 +132,18 @@ def _custom_calls(device_kind: str, dtype, block_shape=BLOCK, d=32, **blocks):
 
 
 HOPPER, AMPERE = kernel_checks.HOPPER_DEVICE_KIND, kernel_checks.CUDA_DEVICE_KIND
+BLACKWELL = kernel_checks.BLACKWELL_DEVICE_KIND
 
 
 @pytest.mark.parametrize("device_kind, dtype, options, calls", [
     (HOPPER, BF16, {}, (4, 0)),                                  # forward, dq, dK/dV, summaries
     (AMPERE, BF16, {}, (0, 4)),                                  # Ampere: Triton
+    (BLACKWELL, BF16, {}, (0, 4)),                               # B200: Triton (WGMMA kernel)
     (HOPPER, F32, {}, (0, 4)),                                   # float32: Triton
     (HOPPER, BF16, {"block_shape": (2, 2, 2)}, (0, 4)),          # 8-token cubes: Triton
     (HOPPER, BF16, {"d": 264}, (0, 4)),                          # D > 256: Triton
     (HOPPER, BF16, {"block_summaries": 32}, (0, 4)),             # not WGMMA rows: Triton
-], ids=["h100", "a100", "h100-f32", "h100-small-cubes", "h100-wide-heads", "h100-blocks32"])
+], ids=["h100", "a100", "b200", "h100-f32", "h100-small-cubes", "h100-wide-heads", "h100-blocks32"])
 def test_auto_picks_mosaic_gpu_on_hopper_for_bf16_and_64_slot_cubes(device_kind, dtype,
                                                                   options, calls):
   assert _custom_calls(device_kind, dtype, **options) == calls
