@@ -94,6 +94,24 @@ class CubeLayout:
     flat = x.reshape(x.shape[0], -1, *x.shape[3:])
     return permute_rows(flat, self.slot, self.slot_tokens())
 
+  def to_slot_rows(self, x, groups: int = 1):
+    """[B, N, F] -> slot rows [B, C * T / g, g * F] in the order of `group_rows` (g = groups),
+    empty slots zero."""
+    return _regroup(x, *self._grouped_index(groups), groups, True)
+
+  def from_slot_rows(self, x, groups: int = 1):
+    """Inverse of `to_slot_rows`: [B, C * T / g, g * F] -> [B, N, F]."""
+    return _regroup(x, *self._grouped_index(groups), groups, False)
+
+  def _grouped_index(self, groups: int):
+    """The token in each position of the grouped slots' flat order [B, C * T] (N: empty) and
+    the position of each token [B, N] (`_regroup`'s index and position)."""
+    t, total = self.slots_per_cube, self.num_cubes * self.slots_per_cube
+    tokens = group_rows(self.slot_tokens()[..., None], t, groups).reshape(-1, total)
+    position = ungroup_rows(jnp.arange(total, dtype=jnp.int32).reshape(1, -1, groups), t,
+                            groups).reshape(total)                   # of each logical slot
+    return tokens, position[self.slot]
+
   def key_valid(self):
     """bool [B, C, T]: slot holds a token."""
     n = self.slot.shape[1]
@@ -112,6 +130,24 @@ class CubeLayout:
     rows = jnp.concatenate([self.keys.astype(_F32), self.count[..., None],
                             jnp.zeros(self.count.shape + (3,), _F32)], axis=-1)
     return jnp.swapaxes(rows, 1, 2)
+
+
+def group_rows(x, t: int, groups: int):
+  """Cube slots [B, C * T, F] -> [B, C * T / g, g * F] (g = groups dividing T): cube c's row i
+  holds its slots i, T/g + i, ..., (g-1) T/g + i side by side, lane group j slot j T/g + i.
+  A TPU pads an array's last dim to 128 lanes in HBM; with g = 128 / gcd(F, 128) the rows
+  fill them, and a kernel rebuilds the cube's [T, F] tile by stacking the g lane groups'
+  [T/g, F] slices (`pallas_kernels.pack3d_attention.mosaic`). g = 1: the slots as they are."""
+  b, rows, f = x.shape
+  x = x.reshape(b, rows // t, groups, t // groups, f)
+  return jnp.swapaxes(x, 2, 3).reshape(b, rows // groups, groups * f)
+
+
+def ungroup_rows(x, t: int, groups: int):
+  """Inverse of `group_rows`: [B, C * T / g, g * F] -> [B, C * T, F]."""
+  b, rows, f = x.shape[0], x.shape[1] * groups, x.shape[2] // groups
+  x = x.reshape(b, rows // t, t // groups, groups, f)
+  return jnp.swapaxes(x, 2, 3).reshape(b, rows, f)
 
 
 def _gather_rows(x, index):
@@ -142,6 +178,43 @@ def _permute_rows_bwd(residuals, g):
 
 
 permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+def _to_groups(x, index, groups: int):
+  """x [B, N, F] -> grouped rows [B, C*T/g, g*F]: row p of the [B, C*T, F] view is x's row
+  index[b, p] (N: an empty slot, zero). The zeros are selected after the regrouping, in the
+  copy that regroups (on TPU a select beside the gather is one more buffer padded to 128
+  lanes)."""
+  b, n, f = x.shape
+  rows = jax.vmap(lambda xb, i: xb[i])(x, jnp.minimum(index, n - 1))
+  keep = jnp.repeat((index < n).reshape(b, -1, groups), f, axis=2)
+  return jnp.where(keep, rows.reshape(b, -1, groups * f), jnp.zeros((), x.dtype))
+
+
+def _from_groups(x, position, groups: int):
+  """Grouped rows x [B, C*T/g, g*F] -> [B, N, F]: token n from row position[b, n] of the
+  [B, C*T, F] view."""
+  rows = x.reshape(x.shape[0], -1, x.shape[2] // groups)
+  return jax.vmap(lambda xb, p: xb[p])(rows, position)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _regroup(x, index, position, groups: int, to_groups: bool):
+  """`_to_groups(x, index)` (to_groups) or `_from_groups(x, position)`, each the other's
+  gradient (both gathers, never a scatter: `permute_rows`)."""
+  return _to_groups(x, index, groups) if to_groups else _from_groups(x, position, groups)
+
+
+def _regroup_fwd(x, index, position, groups, to_groups):
+  return _regroup(x, index, position, groups, to_groups), (index, position)
+
+
+def _regroup_bwd(groups, to_groups, residuals, g):
+  index, position = residuals
+  return _regroup(g, index, position, groups, not to_groups), None, None
+
+
+_regroup.defvjp(_regroup_fwd, _regroup_bwd)
 
 
 def cube_distance(a, b):

@@ -256,6 +256,30 @@ def test_no_token_in_both_branches():
       assert a in near
 
 
+@pytest.mark.parametrize("groups", [1, 4, 16])
+def test_grouped_slot_rows_place_slot_j_t_over_g_plus_i_in_row_i(groups):
+  """`to_slot_rows`: cube c's row i, lane group j holds slot j T/g + i of `to_cubes` (empty
+  slots zero); `from_slot_rows` inverts it, and each one's gradient is the other."""
+  layout = cube_layout(COORDS, FIELD_IDS, block_shape=BLOCK, slots_per_cube=16)
+  x = make_qkv(jnp.float32, heads=1, d=5)[0][:, :, 0]               # [B, N, F]
+  cubes = np.asarray(layout.to_cubes(x))                            # [B, C, T, F]
+  rows = np.asarray(layout.to_slot_rows(x, groups))
+  t, f = 16, 5
+  for c in (0, 7):
+    for i in range(t // groups):
+      for j in range(groups):
+        np.testing.assert_array_equal(rows[:, c * t // groups + i, j * f:(j + 1) * f],
+                                      cubes[:, c, j * t // groups + i])
+  np.testing.assert_array_equal(layout.from_slot_rows(jnp.asarray(rows), groups), x)
+  w = jax.random.normal(jax.random.key(3), rows.shape)             # a cotangent of rows
+  np.testing.assert_array_equal(
+      jax.grad(lambda x: jnp.sum(layout.to_slot_rows(x, groups) * w))(x),
+      layout.from_slot_rows(w, groups))
+  np.testing.assert_array_equal(
+      jax.grad(lambda r: jnp.sum(layout.from_slot_rows(r, groups) * x))(jnp.asarray(rows)),
+      rows)
+
+
 # ----------------------------------------------------------------------------- repacking
 
 @functools.lru_cache(maxsize=None)

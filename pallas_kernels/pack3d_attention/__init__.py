@@ -2,8 +2,10 @@
 
 Math and shapes: `jaxops.pack3d` (the reference this kernel is tested against). Tokens
 are scattered into the cube-major layout of `jaxops.pack3d_layout.cube_layout` (a cube is a
-contiguous slab of T slots, empty slots masked; each slot one [H * D] row, the heads side by
-side on the lanes: no head-width padding in HBM), the summaries kbar, vbar are
+contiguous slab of T slots, empty slots masked; each slot H * D values, the heads side by
+side on the lanes, and for the Mosaic kernels g = 128 / gcd(H * D, 128) slots side by side
+per row (`tiles.lane_groups`, `jaxops.pack3d_layout.group_rows`): no lane padding in TPU
+HBM), the summaries kbar, vbar are
 precomputed in XLA (`cube_summaries`), and for each (batch, head, query cube) the kernel
 runs ONE online softmax over two key streams: its <= (2r+1)^3 neighbour cubes, then the
 cube summaries, whose far-or-not bias it derives from the cubes' keys (plus the head's
@@ -42,12 +44,12 @@ import jax.numpy as jnp
 
 from jaxops import pack3d_levels as levels_lib
 from jaxops.pack3d import MASK, check_pack3d_inputs, cube_summaries
-from jaxops.pack3d_layout import cube_layout, poison_overflow
+from jaxops.pack3d_layout import cube_layout, group_rows, poison_overflow, ungroup_rows
 from jaxops.tiling import next_pow2
-from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
+from pallas_kernels.dispatch import Backend, KernelConfig, dispatch, target_platform
 from pallas_kernels.pack3d_attention import mosaic, mosaic_gpu, triton
 from pallas_kernels.pack3d_attention.blocks import TUNED, BlockSizes
-from pallas_kernels.pack3d_attention.tiles import Tables, TilePlan
+from pallas_kernels.pack3d_attention.tiles import Tables, TilePlan, lane_groups
 
 __all__ = ["BlockSizes", "TUNED", "pack3d_attention"]
 
@@ -61,26 +63,49 @@ def _plan(backend: Backend, interpret, blocks: BlockSizes, q, tables: Tables, of
                        offset_levels=1 if offset is None else offset.shape[2], **options)
 
 
+def _body_layout(backend: Backend, tables: Tables, options, tokens):
+  """The token operands (grouped g slots per row, `tiles.lane_groups`) as `backend`'s body
+  reads them: as they are for Mosaic; one slot per row for the GPU kernels (a GPU branch
+  gets g > 1 only when traced beside a TPU one, or forced to run interpreted), and the
+  options that say so. Returns (tokens, options, to_operands: its outputs back to g)."""
+  groups, t = options["groups"], tables.key_bias.shape[3]
+  if backend == "mosaic" or groups == 1:
+    return tokens, options, lambda x: x
+  return ([ungroup_rows(x, t, groups) for x in tokens], dict(options, groups=1),
+          lambda x: group_rows(x, t, groups))
+
+
 def _forward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vbar, offset,
              tables: Tables, *, options):
+  (q, k, v), options, regroup = _body_layout(backend, tables, options, (q, k, v))
   plan = _plan(backend, interpret, blocks, q, tables, offset, options)
   kbar, vbar, tables = plan.pad_summaries(kbar, vbar, tables)
-  return _KERNELS[backend].forward(plan, blocks, interpret, q, k, v, kbar, vbar, offset, tables)
+  o, lse = _KERNELS[backend].forward(plan, blocks, interpret, q, k, v, kbar, vbar, offset,
+                                     tables)
+  return regroup(o), lse
 
 
 def _backward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vbar, offset,
               tables: Tables, o, lse, do, *, options):
-  plan = _plan(backend, interpret, blocks, q, tables, offset, options)
   # delta = per-head rowsum(do * o) [B, C, H, T], the head sums as a matmul against the
-  # lanes' head indicator (splitting the lanes into [H, D] would pad D on TPU)
-  lanes = jnp.arange(plan.heads * plan.head_dim) // plan.head_dim
-  heads_of_lanes = (lanes[:, None] == jnp.arange(plan.heads)[None]).astype(_F32)
-  product = (do.astype(_F32) * o.astype(_F32)).reshape(plan.batch, plan.cubes, plan.t, -1)
-  delta = jnp.einsum("bctx,xh->bcht", product, heads_of_lanes,
-                     precision=jax.lax.Precision.HIGHEST)
+  # lanes' (group, head) indicator (splitting the lanes into [H, D] would pad D on TPU);
+  # slot j T/g + i of a cube sits in its row i, lane group j (`group_rows`)
+  groups, heads, t = options["groups"], options["heads"], tables.key_bias.shape[3]
+  lanes = jnp.arange(o.shape[2])
+  slot_width = o.shape[2] // groups
+  group_of, head_of = lanes // slot_width, lanes % slot_width // (slot_width // heads)
+  indicator = ((group_of[:, None, None] == jnp.arange(groups)[:, None])
+               & (head_of[:, None, None] == jnp.arange(heads)))       # [g*H*D, g, H]
+  product = (do.astype(_F32) * o.astype(_F32)).reshape(o.shape[0], -1, t // groups, o.shape[2])
+  delta = jnp.einsum("bcix,xjh->bchji", product, indicator.astype(_F32),
+                     precision=jax.lax.Precision.HIGHEST).reshape(*product.shape[:2], heads, t)
+  (q, k, v, do), options, regroup = _body_layout(backend, tables, options,
+                                                 (q, k, v, do.astype(q.dtype)))
+  plan = _plan(backend, interpret, blocks, q, tables, offset, options)
   kbar_p, vbar_p, tables = plan.pad_summaries(kbar, vbar, tables)
   grads = _KERNELS[backend].backward(plan, blocks, interpret, q, k, v, kbar_p, vbar_p, offset,
-                                     tables, do.astype(q.dtype), lse, delta)
+                                     tables, do, lse, delta)
+  grads = (*(regroup(x) for x in grads[:3]), *grads[3:])
   dkbar, dvbar = (g[:, :plan.summaries] for g in grads[3:5])
   # [B, H, Cs] per-summary parts (padded summaries are never far: 0) -> [H, 1, Lo]
   d_offset = None
@@ -93,17 +118,26 @@ def _backward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vb
   return *grads[:3], dkbar, dvbar, d_offset
 
 
-def _to_slots(layout, x):
-  """[B, N, H, D] -> cube slots with the heads on the lanes [B, C * T, H * D], empty slots
-  zero: on TPU an [N, H, D] array pads both minor dims (D = 24 to 128 lanes), an
-  [N, H * D] one only H * D."""
+def _lane_groups(cfg: KernelConfig, t: int, width: int, dtype) -> int:
+  """g slots per token-operand row (`tiles.lane_groups`) where the Mosaic body runs (forced,
+  or interpreted, or compiled for a TPU: `dispatch`'s choice), else 1."""
+  platform = target_platform()
+  interpreted = bool(cfg.interpret) or (cfg.interpret is None and platform == "cpu")
+  mosaic = (cfg.backend or ("mosaic" if interpreted or platform == "tpu" else None)) == "mosaic"
+  return lane_groups(t, width, dtype, compiled=not interpreted) if mosaic else 1
+
+
+def _to_slots(layout, x, groups: int):
+  """[B, N, H, D] -> cube slots with the heads on the lanes, g = groups per row
+  [B, C * T / g, g * H * D], empty slots zero: on TPU an [N, H, D] array pads both minor
+  dims (D = 24 to 128 lanes), an [N, H * D] one only H * D, a [.., g * H * D] one nothing."""
   batch, n, heads, d = x.shape
-  return layout.to_cubes(x.reshape(batch, n, heads * d)).reshape(batch, -1, heads * d)
+  return layout.to_slot_rows(x.reshape(batch, n, heads * d), groups)
 
 
-def _from_slots(layout, o, heads: int):
-  """Inverse of `_to_slots`: [B, C * T, H * D] -> [B, N, H, D]."""
-  rows = layout.from_cubes(o.reshape(o.shape[0], layout.num_cubes, layout.slots_per_cube, -1))
+def _from_slots(layout, o, heads: int, groups: int):
+  """Inverse of `_to_slots`: [B, C * T / g, g * H * D] -> [B, N, H, D]."""
+  rows = layout.from_slot_rows(o, groups)
   return rows.reshape(*rows.shape[:2], heads, -1)
 
 
@@ -211,10 +245,14 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                        max_cubes=max_cubes, slots_per_cube=slots)
   batch, n, heads, d = q.shape
   cubes, t = layout.num_cubes, layout.slots_per_cube
-  q_s, k_s, v_s = (_to_slots(layout, x) for x in (q, k, v))      # [B, C * T, H * D]
-  if summary_rope is None:  # cube means straight from the slots
+  groups = _lane_groups(cfg, t, heads * d, q.dtype)
+  q_s, k_s, v_s = (_to_slots(layout, x, groups) for x in (q, k, v))  # [B, C*T/g, g*H*D]
+  if summary_rope is None:  # cube means straight from the slots (in any order)
     inv_n = 1.0 / jnp.maximum(layout.count, 1.0)[:, :, None]
-    mean = lambda x: jnp.sum(x.reshape(batch, cubes, t, heads * d).astype(_F32), 2) * inv_n
+    # the rows summed first, over the slots' own [.., g*H*D] shape: the gradient broadcasts
+    # back to that shape (through [B, C, T, H*D] it would pad H*D to 128 lanes on TPU)
+    row_sums = lambda x: jnp.sum(x.reshape(batch, cubes, t // groups, -1).astype(_F32), 2)
+    mean = lambda x: jnp.sum(row_sums(x).reshape(batch, cubes, groups, -1), 2) * inv_n
     kbar, vbar = mean(k_s), mean(v_s)                             # [B, C, H * D]
   else:
     kbar, vbar = (s.reshape(batch, cubes, heads * d) for s in cube_summaries(
@@ -227,7 +265,8 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   tables = Tables(key_bias=jnp.where(layout.key_valid(), 0.0, MASK)[:, :, None, :],
                   cube_rows=rows, cube_cols=cols,
                   neighbours=layout.neighbours, num_neighbours=layout.num_neighbours)
-  options = (("block_bias", bool(block_bias)), ("heads", heads), ("radii", radii))
+  options = (("block_bias", bool(block_bias)), ("heads", heads), ("radii", radii),
+             ("groups", groups))
   if far_offset is None:
     offset = None
   elif offset_levels == 1:
@@ -236,7 +275,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     offset = jnp.swapaxes(far_offset, 0, 1)[:, None, :]
   o = _attend(q_s, k_s, v_s, kbar.astype(q.dtype), vbar.astype(q.dtype), offset, tables, cfg,
               options)
-  o = poison_overflow(layout, _from_slots(layout, o, heads))
+  o = poison_overflow(layout, _from_slots(layout, o, heads, groups))
   if levels > 1:
     o = levels_lib.poison_top_overflow(o, layout.keys, layout.count, levels, top_slots)
   return o

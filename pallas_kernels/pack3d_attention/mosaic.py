@@ -3,9 +3,11 @@
 Forward, dq and dk/dv: `PrefetchScalarGridSpec` with the neighbour table in SMEM; grid
 (query cube a, stream step j), j walking the K neighbour cubes then the summary blocks;
 k/v `index_map`s read the table; VMEM scratch carries the softmax state. One program
-serves every head of its cube: the operands keep the heads side by side on the lanes
-([T, H*D] tiles, `tiles`), each head a static lane slice, with its state in a leading
-scratch axis; lse and delta come as [H, T] rows per cube (a head's column is
+serves every head of its cube: the operands keep the heads side by side on the lanes, g
+slots per row (`tiles.lane_groups`: H*D = 96 fills 128-lane tiles four slots at a time, so
+HBM holds no padding), a cube's [T/g, g*H*D] block restacked into its [T, H*D] tile in VMEM
+(`_tile`, and `_store` the way back), each head a static lane slice, with its state in a
+leading scratch axis; lse and delta come as [H, T] rows per cube (a head's column is
 `expand_dims(row, -1)`, its row is written back through a diagonal mask). SMEM holds 1 MiB,
 so the calls loop over (batch entry, block of `cubes_per_call` query cubes) and each
 prefetches only its block's rows of the table (plus (b, first cube) as scalars).
@@ -40,6 +42,21 @@ def _eighth(cube):
 def _lanes(plan: TilePlan, h: int):
   """Head h's lanes of an [R, H*D] tile."""
   return slice(h * plan.d, (h + 1) * plan.d)
+
+
+def _tile(plan: TilePlan, block):
+  """A cube's [T/g, g*H*D] block -> its [T, H*D] tile: lane group j holds slots j T/g ..
+  (j+1) T/g - 1 (`jaxops.pack3d_layout.group_rows`), stacked on the rows."""
+  hd = plan.heads * plan.d
+  return jnp.concatenate([block[:, j * hd:(j + 1) * hd] for j in range(plan.groups)], 0)
+
+
+def _store(plan: TilePlan, ref, per_head):
+  """Writes H float32 [T, D] tiles (head h's lanes of the cube's tile) to ref's [T/g, g*H*D]
+  block: the inverse of `_tile`, the heads side by side within each lane group."""
+  rows = plan.t // plan.groups
+  ref[0] = jnp.concatenate([x[j * rows:(j + 1) * rows] for j in range(plan.groups)
+                            for x in per_head], 1).astype(ref.dtype)
 
 
 def _column(rows_ref, h: int):
@@ -89,21 +106,22 @@ def _fwd_kernel(meta, nbr, nnb, q_ref, k_ref, v_ref, kb_ref, kbar_ref, vbar_ref,
       m_sc[h], l_sc[h], acc_sc[h] = tiles.init_state(plan.t, plan.d)
 
   def update(k, v, bias):
-    q = q_ref[0]
+    q = _tile(plan, q_ref[0])
     for h in range(plan.heads):
       lanes = _lanes(plan, h)
       m_sc[h], l_sc[h], acc_sc[h] = tiles.softmax_step(
           (m_sc[h], l_sc[h], acc_sc[h]), q[:, lanes], k[:, lanes], v[:, lanes], bias(h),
           plan.scale)
 
-  pl.when(j < nnb[a])(lambda: update(k_ref[0], v_ref[0], lambda h: kb_ref[0, 0]))
+  pl.when(j < nnb[a])(lambda: update(_tile(plan, k_ref[0]), _tile(plan, v_ref[0]),
+                                      lambda h: kb_ref[0, 0]))
   pl.when(j >= plan.k_max)(lambda: update(
       kbar_ref[0], vbar_ref[0], lambda h: _far(plan, cols_ref, rows_ref, meta[1] + a, off_ref, h)))
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _():
     o, lse = zip(*(tiles.finish(m_sc[h], l_sc[h], acc_sc[h]) for h in range(plan.heads)))
-    o_ref[0] = jnp.concatenate(o, axis=1).astype(o_ref.dtype)
+    _store(plan, o_ref, o)
     lse_ref[0, 0] = _rows(plan, lse)
 
 
@@ -117,19 +135,20 @@ def _dq_kernel(meta, nbr, nnb, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, 
     dq_sc[...] = jnp.zeros_like(dq_sc)
 
   def update(k, v, bias):
-    q, do = q_ref[0], do_ref[0]
+    q, do = _tile(plan, q_ref[0]), _tile(plan, do_ref[0])
     for h in range(plan.heads):
       lanes = _lanes(plan, h)
       dq_sc[h] += tiles.dq_step(q[:, lanes], k[:, lanes], v[:, lanes], bias(h), do[:, lanes],
                                 _column(lse_ref, h), _column(delta_ref, h), plan.scale)
 
-  pl.when(j < nnb[a])(lambda: update(k_ref[0], v_ref[0], lambda h: kb_ref[0, 0]))
+  pl.when(j < nnb[a])(lambda: update(_tile(plan, k_ref[0]), _tile(plan, v_ref[0]),
+                                      lambda h: kb_ref[0, 0]))
   pl.when(j >= plan.k_max)(lambda: update(
       kbar_ref[0], vbar_ref[0], lambda h: _far(plan, cols_ref, rows_ref, meta[1] + a, off_ref, h)))
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _():
-    dq_ref[0] = jnp.concatenate([dq_sc[h] for h in range(plan.heads)], 1).astype(dq_ref.dtype)
+    _store(plan, dq_ref, [dq_sc[h] for h in range(plan.heads)])
 
 
 def _dkv_kernel(meta, nbr, nnb, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, kb_ref,
@@ -144,7 +163,7 @@ def _dkv_kernel(meta, nbr, nnb, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
 
   @pl.when(j < nnb[a])
   def _():
-    q, do, k, v = q_ref[0], do_ref[0], k_ref[0], v_ref[0]
+    q, do, k, v = (_tile(plan, r[0]) for r in (q_ref, do_ref, k_ref, v_ref))
     for h in range(plan.heads):
       lanes = _lanes(plan, h)
       dk, dv = tiles.dkv_step(q[:, lanes], k[:, lanes], v[:, lanes], kb_ref[0, 0], do[:, lanes],
@@ -154,8 +173,8 @@ def _dkv_kernel(meta, nbr, nnb, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref,
 
   @pl.when(j == pl.num_programs(1) - 1)
   def _():
-    dk_ref[0] = jnp.concatenate([dk_sc[h] for h in range(plan.heads)], 1).astype(dk_ref.dtype)
-    dv_ref[0] = jnp.concatenate([dv_sc[h] for h in range(plan.heads)], 1).astype(dv_ref.dtype)
+    _store(plan, dk_ref, [dk_sc[h] for h in range(plan.heads)])
+    _store(plan, dv_ref, [dv_sc[h] for h in range(plan.heads)])
 
 
 def _dsummary_kernel(q_ref, do_ref, lse_ref, delta_ref, kbar_ref, vbar_ref, rows_ref, cols_ref,
@@ -171,7 +190,7 @@ def _dsummary_kernel(q_ref, do_ref, lse_ref, delta_ref, kbar_ref, vbar_ref, rows
     if doff_sc is not None:
       doff_sc[...] = jnp.zeros_like(doff_sc)
 
-  q, do, kbar, vbar = q_ref[0], do_ref[0], kbar_ref[0], vbar_ref[0]
+  q, do, kbar, vbar = _tile(plan, q_ref[0]), _tile(plan, do_ref[0]), kbar_ref[0], vbar_ref[0]
   for h in range(plan.heads):
     lanes = _lanes(plan, h)
     tile = (q[:, lanes], kbar[:, lanes], vbar[:, lanes],
@@ -255,20 +274,21 @@ def _call(kernel, plan: TilePlan, grid, in_specs, out_specs, out_shape, scratch,
 
 class _Specs:
   """BlockSpecs on the grid (a, j) with prefetched (meta, nbr, nnb); a is the cube's index
-  within its call, meta[1] + a its index in the batch entry. Token tiles [1, T, H*D],
+  within its call, meta[1] + a its index in the batch entry. Token blocks [1, T/g, g*H*D],
   statistics [1, 1, H, T], summaries [1, S, H*D]."""
 
   def __init__(self, plan: TilePlan):
     t, hd, s, k_max, last = plan.t, plan.heads * plan.d, plan.s_block, plan.k_max, plan.cubes - 1
+    tokens = _token_block(plan)
     own_cube = lambda meta, a: jnp.minimum(meta[1] + a, last)
     nbr_at = lambda a, j, nbr: nbr[a * k_max + jnp.minimum(j, k_max - 1)]
     summary = lambda j: jnp.maximum(j - k_max, 0)
     stats = (1, 1, plan.heads, t)
-    self.own = pl.BlockSpec((1, t, hd), lambda a, j, m, nbr, nnb: (m[0], own_cube(m, a), 0))
+    self.own = pl.BlockSpec(tokens, lambda a, j, m, nbr, nnb: (m[0], own_cube(m, a), 0))
     self.own_rows = pl.BlockSpec(stats, lambda a, j, m, nbr, nnb: (m[0], own_cube(m, a), 0, 0))
-    self.out = pl.BlockSpec((1, t, hd), lambda a, j, m, nbr, nnb: (0, a, 0))
+    self.out = pl.BlockSpec(tokens, lambda a, j, m, nbr, nnb: (0, a, 0))
     self.out_rows = pl.BlockSpec(stats, lambda a, j, m, nbr, nnb: (0, a, 0, 0))
-    self.key = pl.BlockSpec((1, t, hd), lambda a, j, m, nbr, nnb: (m[0], nbr_at(a, j, nbr), 0))
+    self.key = pl.BlockSpec(tokens, lambda a, j, m, nbr, nnb: (m[0], nbr_at(a, j, nbr), 0))
     self.key_rows = pl.BlockSpec(stats,
                                  lambda a, j, m, nbr, nnb: (m[0], nbr_at(a, j, nbr), 0, 0))
     self.key_bias = pl.BlockSpec((1, 1, 1, t),
@@ -281,12 +301,18 @@ class _Specs:
     self.offset = pl.BlockSpec(_offset_shape(plan), lambda a, j, m, nbr, nnb: (0, 0))
 
 
+def _token_block(plan: TilePlan):
+  """A cube's block of a token operand: [1, T/g, g*H*D]."""
+  return (1, plan.t // plan.groups, plan.groups * plan.heads * plan.d)
+
+
 def _outputs(plan: TilePlan, *kinds):
   """Zero buffers the looped calls write into, and the per-call shapes: ("tokens", dtype)
-  [B, Cp * T, H*D]; ("stats",) [B, Cp, H, T] float32 (Cp: C padded to the calls' cubes)."""
+  [B, Cp * T/g, g*H*D]; ("stats",) [B, Cp, H, T] float32 (Cp: C padded to the calls' cubes)."""
   cc = plan.cubes_per_call
   padded = -(-plan.cubes // cc) * cc
-  shape = lambda kind, cubes: ((cubes * plan.t, plan.heads * plan.d) if kind[0] == "tokens"
+  _, rows, width = _token_block(plan)
+  shape = lambda kind, cubes: ((cubes * rows, width) if kind[0] == "tokens"
                                else (cubes, plan.heads, plan.t))
   dtype = lambda kind: kind[1] if kind[0] == "tokens" else _F32
   full = tuple(jnp.zeros((plan.batch,) + shape(k, padded), dtype(k)) for k in kinds)
@@ -305,7 +331,7 @@ def _offset_row(plan: TilePlan, offset):
 
 
 def forward(plan: TilePlan, _blocks, interpret, q, k, v, kbar, vbar, offset, tables: Tables):
-  """o [B, C*T, H*D] and lse [B, C, H, T] (the layout of `tiles`)."""
+  """o [B, C*T/g, g*H*D] and lse [B, C, H, T] (the layout of `tiles`)."""
   sp, cc = _Specs(plan), plan.cubes_per_call
   cols = _padded_cols(plan, tables, -(-plan.cubes // cc) * cc)
   full, per_call = _outputs(plan, ("tokens", q.dtype), ("stats",))
@@ -358,7 +384,7 @@ def backward(plan: TilePlan, _blocks, interpret, q, k, v, kbar, vbar, offset, ta
 
   # Summaries: grid (b, summary block s, query cube a).
   s = plan.s_block
-  query = pl.BlockSpec((1, t, hd), lambda b, s, a: (b, a, 0))
+  query = pl.BlockSpec(_token_block(plan), lambda b, s, a: (b, a, 0))
   query_rows = pl.BlockSpec((1, 1, h, t), lambda b, s, a: (b, a, 0, 0))
   summ = pl.BlockSpec((1, s, hd), lambda b, s, a: (b, s, 0))
   rows = pl.BlockSpec((1, 8, s), lambda b, s, a: (b, 0, s))

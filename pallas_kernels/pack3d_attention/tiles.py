@@ -199,8 +199,9 @@ def absent_refs(kernel, positions):
 
 # ----------------------------------------------------------------------------
 # The tile plan and the operands. Per batch entry b, tokens cube-major, heads on the lanes
-# (an [.., H*D] row is dense on TPU lanes, where [.., H, D] pads D to 128 in HBM):
-#   q, k, v, o, do [B, C*T, H*D]; lse, delta [B, C, H, T] float32 (one row of T per head)
+# (an [.., H*D] row is dense on TPU lanes, where [.., H, D] pads D to 128 in HBM), g slots
+# of H*D side by side per row (`lane_groups`; `jaxops.pack3d_layout.group_rows` says which):
+#   q, k, v, o, do [B, C*T/g, g*H*D]; lse, delta [B, C, H, T] float32 (one row of T per head)
 #   kbar, vbar [B, Cs, H*D] (Cs: the summaries, C per level-1 cube and with levels >= 2
 #   those of levels 2..L after them, padded to a multiple of S)
 #   key_bias [B, C, 1, T] float32 (0 for a token, MASK for an empty slot)
@@ -210,9 +211,21 @@ def absent_refs(kernel, positions):
 #   offset [H, 1, Lo] float32 (beta_h, Lo = 1, or per level beta_{k,h}, Lo = L; only with a
 #   far offset), its gradient's per-summary parts d_offset [B, H, Cs] float32 (summed
 #   outside, per level with Lo = L)
-# The Mosaic kernels read these as they are; the Triton ones move the heads first (and pad D
-# to a power of two) on the way in, and back on the way out.
+# The Mosaic kernels read these as they are (g = `lane_groups`); the GPU kernels get g = 1
+# (their HBM is not tiled) and the Triton ones move the heads first (and pad D to a power of
+# two) on the way in, and back on the way out.
 # ----------------------------------------------------------------------------
+
+def lane_groups(t: int, width: int, dtype, compiled: bool = True) -> int:
+  """g, the slots side by side in one row of the Mosaic kernels' token operands: 128 /
+  gcd(H*D, 128), the fewest whose g * H*D fills whole 128-lane tiles (a TPU pads the last dim
+  of an HBM array to them: H*D = 96 alone takes 128 lanes); 1 where H*D does already or
+  where a cube's T / g rows would not fill a sublane tile (8 rows of 32 bits, 16 of 16).
+  compiled=False (interpret mode) lifts the sublane minimum, so small tests group too."""
+  groups = 128 // math.gcd(width, 128)
+  rows = 32 // jnp.dtype(dtype).itemsize if compiled else 1
+  return groups if t % (groups * rows) == 0 else 1
+
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["key_bias", "cube_rows", "cube_cols", "neighbours",
@@ -237,7 +250,8 @@ class TilePlan:
   softmax scale, the far test's radii (r_1, ..., r_L; `far_bias`) and bias, (Mosaic) query
   cubes per call, (Triton) query rows per dK/dV step, and whether the far logits carry a
   per-head offset (an operand, and a gradient output) and Lo, its values per head: 1 (every
-  level's) or L (per level)."""
+  level's) or L (per level), and g, the slots per token-operand row (`lane_groups`; Mosaic
+  only, 1 for the GPU kernels)."""
 
   batch: int
   heads: int
@@ -256,15 +270,16 @@ class TilePlan:
   dkv_rows: int
   far_offset: bool = False
   offset_levels: int = 1
+  groups: int = 1
 
   @classmethod
   def make(cls, backend: Backend, blocks: BlockSizes, q, tables: Tables, *, heads: int,
            radii: tuple[int, ...], block_bias: bool, compiled: bool,
-           far_offset: bool = False, offset_levels: int = 1) -> "TilePlan":
-    """q [B, C*T, H*D]; the summaries are cube_rows' columns. compiled=False (interpret mode)
-    lifts the compilers' minimum block_summaries (Mosaic: 128 lanes; Triton: 16 for tl.dot), so small tests can walk
-    several summary blocks."""
-    batch, d = q.shape[0], q.shape[2] // heads
+           far_offset: bool = False, offset_levels: int = 1, groups: int = 1) -> "TilePlan":
+    """q [B, C*T/g, g*H*D] (g = groups); the summaries are cube_rows' columns.
+    compiled=False (interpret mode) lifts the compilers' minimum block_summaries (Mosaic: 128
+    lanes; Triton: 16 for tl.dot), so small tests can walk several summary blocks."""
+    batch, d = q.shape[0], q.shape[2] // (heads * groups)
     cubes, _, t = tables.key_bias.shape[1:]
     summaries = tables.cube_rows.shape[2]
     s = blocks.block_summaries
@@ -292,7 +307,7 @@ class TilePlan:
       d_pad, per_call, rows = d, min(blocks.cubes_per_call, cubes), t
     return cls(batch, heads, cubes, t, d, d_pad, tables.neighbours.shape[2], summaries, s,
                round_up(summaries, s), 1.0 / math.sqrt(d), tuple(radii), block_bias, per_call,
-               rows, far_offset, offset_levels)
+               rows, far_offset, offset_levels, groups)
 
   @property
   def summary_blocks(self) -> int:
