@@ -135,11 +135,19 @@ def gpu_backend(backends=BACKENDS, dtype=jnp.bfloat16, generations=(HOPPER,)) ->
   return "triton"
 
 
+# The chip whose tuned entries an unknown GPU of a generation takes where that generation's
+# kernels want other tiles than the generic entries (Blackwell's are 128 rows).
+_GENERATION_CHIP = {BLACKWELL: "gpu-b200"}
+
+
 def tuned(table: dict, backend: Backend, dtype, default):
   """The table entry for (backend, current chip, dtype name), else (backend, None, dtype),
-  else `default`."""
+  else `default`. An unknown chip of a generation in `_GENERATION_CHIP` counts as that
+  generation's chip."""
   name = jnp.dtype(dtype).name
   chip = current_chip()
+  if chip is None and (capability := compute_capability()) is not None:
+    chip = _GENERATION_CHIP.get(capability[0])
   return table.get((backend, chip, name), table.get((backend, None, name), default))
 
 

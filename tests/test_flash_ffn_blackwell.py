@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import flash_ffn as kernel
+from pallas_kernels import dispatch
 from pallas_kernels.dispatch import target_chip
 from tests import independent as ind
 from tests import kernel_checks
@@ -124,3 +125,14 @@ def test_blackwell_tiles_are_128_rows(blocks):
   op = functools.partial(kernel.mhffn, interpret=True, backend="mosaic_gpu", **blocks)
   with target_chip(CHIP), pytest.raises(ValueError, match="on Blackwell"):
     op(*args)
+
+
+def test_unknown_blackwell_chip_gets_the_b200_tiles(monkeypatch):
+  """A compute-capability-10 GPU that is not a B200 by name (a B300, 10.3) gets the B200's
+  tuned entries, whose 128-row tiles the Blackwell kernels need (the generic ones are
+  Hopper's 64)."""
+  monkeypatch.setattr(dispatch, "current_chip", lambda: None)
+  monkeypatch.setattr(dispatch, "compute_capability", lambda: (10, 3))
+  for dtype in ("float32", "bfloat16"):
+    assert (kernel.BlockSizes.for_backend("mosaic_gpu", dtype)
+            == kernel.TUNED["mosaic_gpu", CHIP, dtype])
