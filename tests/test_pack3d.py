@@ -102,6 +102,16 @@ def test_matches_reference_forward_and_gradients(path, dtype):
   kernel_checks.assert_grads_close(grads, grads_ref, args, "qkv", rtol=TOL[dtype])
 
 
+def test_mosaic_slot_rows_of_several_slots_match_reference():
+  """H*D = 32: the Mosaic kernels' rows hold g = 4 slots of the T = 16 slot cubes, so each
+  lane group holds 4 slots (with the module's H*D = 24, g = 16 = T: one row per cube)."""
+  args = make_qkv(jnp.float32, d=16)
+  out_ref, grads_ref = compiled("reference")(*args)
+  out, grads = compiled("mosaic")(*args)
+  kernel_checks.assert_close(out, out_ref, rtol=TOL[jnp.float32], name="o")
+  kernel_checks.assert_grads_close(grads, grads_ref, args, "qkv", rtol=TOL[jnp.float32])
+
+
 # Options beside the defaults; the gated merge exists on the XLA path only.
 OPTIONS = {
     "no_block_bias": dict(block_bias=False),
