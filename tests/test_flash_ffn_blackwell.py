@@ -117,11 +117,23 @@ def test_auto_picks_mosaic_gpu_on_blackwell_for_bf16(dtype, backend):
     assert kernel_checks.BACKEND_CALL[other] not in text
 
 
-@pytest.mark.parametrize("blocks", [dict(block_q=64), dict(block_inter=256)],
-                         ids=["block_q", "block_inter"])
-def test_blackwell_tiles_are_128_rows(blocks):
-  """tcgen05's M is 128 here: other token tiles, and d_e tiles beyond 128 rows, are refused."""
-  args = hopper.make_inputs(F32, shape=(1, 9, 1, 8, 1, 256))
+def test_auto_takes_triton_on_blackwell_for_wide_heads():
+  """d_h > 128 (here 192): the Blackwell dK/dU/dV kernel's tiles would not fit shared
+  memory, so backend=None lowers to Triton for a B200 (Mosaic GPU on Hopper)."""
+  spec = lambda *s, d=BF16: jax.ShapeDtypeStruct(s, d)
+  args = (spec(1, 256, 2, 192), spec(1, 256, 2, 2, d=F32), *(spec(2, 2, 128, 192),) * 3)
+  for device_kind, backend in ((kernel_checks.BLACKWELL_DEVICE_KIND, "triton"),
+                               (kernel_checks.HOPPER_DEVICE_KIND, "mosaic_gpu")):
+    text = kernel_checks.export_mlir(kernel.mhffn, "cuda", *args, device_kind=device_kind)
+    assert kernel_checks.BACKEND_CALL[backend] in text, device_kind
+
+
+@pytest.mark.parametrize("blocks, d_h", [(dict(block_q=64), 8), (dict(block_inter=256), 8),
+                                         ({}, 136)], ids=["block_q", "block_inter", "d_h"])
+def test_blackwell_tiles_are_128_rows(blocks, d_h):
+  """tcgen05's M is 128 here: other token tiles, d_e tiles beyond 128 rows and heads wider
+  than 128 are refused."""
+  args = hopper.make_inputs(F32, shape=(1, 9, 1, d_h, 1, 256))
   op = functools.partial(kernel.mhffn, interpret=True, backend="mosaic_gpu", **blocks)
   with target_chip(CHIP), pytest.raises(ValueError, match="on Blackwell"):
     op(*args)

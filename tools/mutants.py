@@ -458,8 +458,12 @@ MUTANTS = [
     m("unknown_blackwell_takes_generic_tiles", "pallas_kernels/dispatch.py",
       "chip = _GENERATION_CHIP.get(capability[0])", "chip = None",
       "tests/test_flash_ffn_blackwell.py::test_unknown_blackwell_chip_gets_the_b200_tiles"),
+    m("flash_ffn_blackwell_wide_heads_kept", "pallas_kernels/flash_ffn/__init__.py",
+      "blackwell = (BLACKWELL,) if q.shape[-1] <= BLACKWELL_MAX_D_H else ()",
+      "blackwell = (BLACKWELL,)",
+      "tests/test_flash_ffn_blackwell.py::test_auto_takes_triton_on_blackwell_for_wide_heads"),
     m("mosaic_gpu_not_picked_on_blackwell", "pallas_kernels/flash_ffn/__init__.py",
-      "generations=(HOPPER, BLACKWELL))", "generations=(HOPPER,))",
+      "generations=(HOPPER, *blackwell))", "generations=(HOPPER,))",
       "tests/test_flash_ffn_blackwell.py::test_auto_picks_mosaic_gpu_on_blackwell_for_bf16"),
     # ------------------------------------------------------------------ Blackwell (tcgen05)
     m("flash_ffn_blackwell_accumulator_not_reset", "pallas_kernels/flash_ffn/mosaic_gpu.py",

@@ -31,7 +31,7 @@ from jaxops.flash_ffn import check_mhffn_inputs
 from pallas_kernels.dispatch import BLACKWELL, HOPPER, Backend, KernelConfig, dispatch
 from pallas_kernels.flash_ffn import mosaic, mosaic_gpu, triton
 from pallas_kernels.flash_ffn.blocks import TUNED, BlockSizes
-from pallas_kernels.flash_ffn.tiles import TilePlan
+from pallas_kernels.flash_ffn.tiles import BLACKWELL_MAX_D_H, TilePlan
 
 __all__ = ["BlockSizes", "TUNED", "mhffn"]
 
@@ -96,7 +96,9 @@ def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **bl
     o: [B, L, H, d_h] in q.dtype; matmuls in the input dtype with float32 accumulation.
   """
   check_mhffn_inputs(q, r, k, u, v)
+  # Blackwell's kernels serve heads up to BLACKWELL_MAX_D_H wide; wider ones run Triton there.
+  blackwell = (BLACKWELL,) if q.shape[-1] <= BLACKWELL_MAX_D_H else ()
   cfg = KernelConfig.make("mhffn", BlockSizes, backend=backend, interpret=interpret,
                           block_sizes=block_sizes, backends=("mosaic", "triton", "mosaic_gpu"),
-                          generations=(HOPPER, BLACKWELL))
+                          generations=(HOPPER, *blackwell))
   return _mhffn(q, r, k, u, v, cfg)

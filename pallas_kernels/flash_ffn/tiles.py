@@ -134,6 +134,9 @@ class Orientation:
 # layout (the columns split over two lane halves) wants 16-column multiples and, in jax
 # 0.12, has no register layout that these kernels' row broadcasts lower to.
 _BLACKWELL_M = 128
+# The widest head the Blackwell kernels take: the dK/dU/dV kernel keeps four [128, d_h] tiles
+# (K, U, V and its output staging) in shared memory, 227 KiB a block (d_h = 192: 265 KiB).
+BLACKWELL_MAX_D_H = 128
 
 
 def _fit_tokens(backend: Backend, name: str, block: int, tokens: int) -> int:
@@ -203,8 +206,10 @@ class TilePlan:
       bi = min(bi, round_up(d_e, rows))
       rows_dkuv = max(bi, rows)
       padded_d_h = round_up(d_h, 32 // q.dtype.itemsize)
-      if padded_d_h > 256:
-        raise ValueError(f"mhffn: the Mosaic GPU kernel needs d_h <= 256, got {d_h}")
+      limit = BLACKWELL_MAX_D_H if blackwell() else 256
+      if padded_d_h > limit:
+        raise ValueError(f"mhffn: the Mosaic GPU kernel needs d_h <= {limit}"
+                         f"{' on Blackwell' if blackwell() else ''}, got {d_h}")
       experts_pad, flat = experts, padded_d_h == d_h
     else:
       bi = min(blocks.block_inter, d_e)
