@@ -52,7 +52,7 @@ AOT_GPU := .venv-aot-gpu/.installed
 
 aot-setup: $(AOT_TPU) $(AOT_GPU)
 
-# Every kernel, fwd and grad, f32 and bf16, for TPU v5e/v6e and GPU A100/H100/H200; rewrites
+# Every kernel, fwd and grad, f32 and bf16, for TPU v5e/v6e and GPU A100/H100/H200/B200; rewrites
 # the table in benchmarks/README.md. Fails if a kernel does not compile, spills > 1 KiB or
 # takes > 60 s, or if a deliberately oversized block is not refused.
 compile-check: setup aot-setup
@@ -62,8 +62,9 @@ compile-check: setup aot-setup
 compile-check-tpu: setup $(AOT_TPU)
 	$(PY) -m benchmarks.aot.check --targets=tpu-v5e,tpu-v6e --out=benchmarks/aot/results-tpu
 
-# The GPU half alone (A100: Triton; H100/H200: Mosaic GPU for FlashFFN, Triton for the rest),
-# its rows merged into the table with the TPU rows of the last full run.
+# The GPU half alone (A100: Triton; H100/H200: Mosaic GPU for bf16, Triton for f32; B200:
+# Mosaic GPU for FlashFFN bf16, Triton for the rest), its rows merged into the table with the
+# TPU rows of the last full run.
 compile-check-gpu: setup $(AOT_GPU)
 	$(PY) -m benchmarks.aot.check --targets=gpu-a100,gpu-h100,gpu-h200,gpu-b200 --merge --readme
 
