@@ -80,9 +80,7 @@ class CubeLayout:
 
   def slot_tokens(self):
     """int32 [B, C * T]: the token in each slot (N for an empty slot); the inverse of `slot`."""
-    b, n = self.slot.shape
-    empty = jnp.full((b, self.num_cubes * self.slots_per_cube), n, jnp.int32)
-    return jax.vmap(lambda e, s: e.at[s].set(jnp.arange(n, dtype=jnp.int32)))(empty, self.slot)
+    return _tokens_at(self.slot, self.num_cubes * self.slots_per_cube)
 
   def to_cubes(self, x):
     """[B, N, ...] -> [B, C, T, ...], empty slots zero."""
@@ -106,11 +104,12 @@ class CubeLayout:
   def _grouped_index(self, groups: int):
     """The token in each position of the grouped slots' flat order [B, C * T] (N: empty) and
     the position of each token [B, N] (`_regroup`'s index and position)."""
-    t, total = self.slots_per_cube, self.num_cubes * self.slots_per_cube
-    tokens = group_rows(self.slot_tokens()[..., None], t, groups).reshape(-1, total)
-    position = ungroup_rows(jnp.arange(total, dtype=jnp.int32).reshape(1, -1, groups), t,
-                            groups).reshape(total)                   # of each logical slot
-    return tokens, position[self.slot]
+    # slot c T + j T/g + i sits at c T + i g + j (`group_rows`), computed on the tokens'
+    # slots: permuting [B, C * T] index arrays instead compiled ~25 s longer for TPU at 1M
+    t = self.slots_per_cube
+    cube, j, i = self.slot // t, self.slot % t // (t // groups), self.slot % (t // groups)
+    position = cube * t + i * groups + j
+    return _tokens_at(position, self.num_cubes * t), position
 
   def key_valid(self):
     """bool [B, C, T]: slot holds a token."""
@@ -130,6 +129,13 @@ class CubeLayout:
     rows = jnp.concatenate([self.keys.astype(_F32), self.count[..., None],
                             jnp.zeros(self.count.shape + (3,), _F32)], axis=-1)
     return jnp.swapaxes(rows, 1, 2)
+
+
+def _tokens_at(position, size: int):
+  """int32 [B, size]: the token n whose position[b, n] (distinct, < size) it is, else N."""
+  b, n = position.shape
+  empty = jnp.full((b, size), n, jnp.int32)
+  return jax.vmap(lambda e, p: e.at[p].set(jnp.arange(n, dtype=jnp.int32)))(empty, position)
 
 
 def group_rows(x, t: int, groups: int):

@@ -15,7 +15,7 @@ import pytest
 
 from jaxops import pack3d as ops
 from jaxops import packing, rope
-from jaxops.pack3d_layout import cube_layout, layout_status
+from jaxops.pack3d_layout import cube_layout, group_rows, layout_status, ungroup_rows
 from pallas_kernels import pack3d_attention as kernel
 from tests import kernel_checks
 
@@ -280,6 +280,9 @@ def test_grouped_slot_rows_place_slot_j_t_over_g_plus_i_in_row_i(groups):
       for j in range(groups):
         np.testing.assert_array_equal(rows[:, c * t // groups + i, j * f:(j + 1) * f],
                                       cubes[:, c, j * t // groups + i])
+  flat = jnp.asarray(cubes).reshape(cubes.shape[0], -1, f)
+  np.testing.assert_array_equal(rows, group_rows(flat, t, groups))  # the GPU bodies' view
+  np.testing.assert_array_equal(ungroup_rows(jnp.asarray(rows), t, groups), flat)
   np.testing.assert_array_equal(layout.from_slot_rows(jnp.asarray(rows), groups), x)
   w = jax.random.normal(jax.random.key(3), rows.shape)             # a cotangent of rows
   np.testing.assert_array_equal(
