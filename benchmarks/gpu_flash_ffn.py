@@ -1,5 +1,6 @@
-"""FlashFFN on a GPU: each compiled kernel body (Triton; Mosaic GPU on Hopper) against the
-float32 reference, then fwd and fwd+bwd time side by side with the XLA path and SwiGLU.
+"""FlashFFN on a GPU: each compiled kernel body (Triton; Mosaic GPU where `backend=None` picks
+it: Hopper, Blackwell) against the float32 reference, then fwd and fwd+bwd time side by side
+with the XLA path and SwiGLU.
 
 Run by benchmarks/gpu_check.sh; prints one line per check, exits non-zero on a mismatch.
   python -m benchmarks.gpu_flash_ffn
@@ -25,16 +26,26 @@ from jaxops import flash_ffn as ops
 from models import FlashFFN, SwiGLU
 from pallas_kernels import dispatch
 from pallas_kernels import flash_ffn as kernel
+from pallas_kernels.flash_ffn.tiles import mosaic_gpu_generations
 
 D, HEADS, EXPERTS, D_E, D_FF_SWIGLU = 1024, 8, 11, 256, 2752
 D_H = D // HEADS
 ON_GPU = jax.default_backend() == "gpu"
 
 
+# The generations whose Mosaic GPU kernel takes these heads: the op's own rule.
+GENERATIONS = mosaic_gpu_generations(D_H, jnp.bfloat16)
+
+
+def auto_backend(dtype=jnp.bfloat16) -> str:
+  """The kernel body `backend=None` runs on this GPU for `dtype` at these shapes."""
+  return dispatch.gpu_backend(("triton", "mosaic_gpu"), dtype, GENERATIONS)
+
+
 def gpu_backends() -> tuple[str, ...]:
-  """The kernel bodies this GPU compiles: Triton everywhere, Mosaic GPU on Hopper."""
-  hopper = (dispatch.compute_capability() or (0, 0))[0] == 9
-  return ("triton",) + (("mosaic_gpu",) if hopper and dispatch.mosaic_gpu_available() else ())
+  """The kernel bodies this GPU compiles for bfloat16: Triton everywhere, and Mosaic GPU where
+  `backend=None` picks it (Hopper, Blackwell)."""
+  return tuple(dict.fromkeys(("triton", auto_backend())))
 
 
 def op_inputs(batch: int, length: int, dtype, seed: int = 0):
@@ -126,9 +137,12 @@ def main(argv) -> int:
   if not ON_GPU:  # smoke test of this script: interpreted Mosaic kernel, short sequence
     return 0 if check("mosaic", jnp.float32, 40, 1e-4) else 1
   backends = gpu_backends()
-  print(f"  kernel bodies: {backends}; backend=None picks {dispatch.gpu_backend(backends)}")
+  print(f"  kernel bodies: {backends}; backend=None picks {auto_backend()} for bfloat16, "
+        f"{auto_backend(jnp.float32)} for float32")
+  # A forced Mosaic GPU kernel compiles for 16-bit inputs only (dispatch.mosaic_gpu_dtype_ok).
   ok = all([check_in_subprocess("benchmarks.gpu_flash_ffn", b, *map(str, c))
-            for b in backends for c in CHECKS])
+            for b in backends for c in CHECKS
+            if b != "mosaic_gpu" or dispatch.mosaic_gpu_dtype_ok(c[0])])
   time_ops(4, 16384, jnp.bfloat16, backends)
   for length in (4096, 16384):
     time_layers(length, jnp.bfloat16)

@@ -44,6 +44,12 @@ _chip_override: list[str] = []
 MOSAIC_GPU_MIN_JAX = (0, 11, 2)
 # Compute-capability majors of the tensor-core generations a Mosaic GPU body may serve.
 HOPPER, BLACKWELL = 9, 10
+_GENERATION_NAME = {8: "Ampere", HOPPER: "Hopper", BLACKWELL: "Blackwell"}
+
+
+def generation_name(major: int) -> str:
+  """A compute-capability major as people say it, for messages: "Hopper (9.x)"."""
+  return f"{_GENERATION_NAME.get(major, 'compute capability')} ({major}.x)"
 
 
 @contextlib.contextmanager
@@ -142,9 +148,10 @@ _GENERATION_CHIP = {BLACKWELL: "gpu-b200"}
 
 def tuned(table: dict, backend: Backend, dtype, default):
   """The table entry for (backend, current chip, dtype name), else (backend, None, dtype),
-  else `default`. An unknown chip of a generation in `_GENERATION_CHIP` counts as that
-  generation's chip."""
-  name = jnp.dtype(dtype).name
+  else `default`. Every 16-bit dtype looks up "bfloat16" (tiles are sized in bytes, and the
+  Blackwell kernels need their chip's 128-row entries for float16 too). An unknown chip of a
+  generation in `_GENERATION_CHIP` counts as that generation's chip."""
+  name = "bfloat16" if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(dtype).name
   chip = current_chip()
   if chip is None and (capability := compute_capability()) is not None:
     chip = _GENERATION_CHIP.get(capability[0])
@@ -208,13 +215,15 @@ def _check_mosaic_gpu_compiles(cfg: KernelConfig, dtype) -> None:
   float32 inputs, or a GPU generation its body has no tensor-core form for."""
   if not mosaic_gpu_dtype_ok(dtype):
     raise ValueError(f"{cfg.op}: backend='mosaic_gpu' compiles for 16-bit inputs only (its "
-                     f"float32 kernels fault on a real Hopper GPU), got {jnp.dtype(dtype).name}: "
-                     f"use backend='triton' or None")
+                     f"float32 kernels fault on a real GPU: measured on an H200), got "
+                     f"{jnp.dtype(dtype).name}: use backend='triton' or None")
   capability = compute_capability()
   if capability is not None and capability[0] not in cfg.generations:
-    raise ValueError(f"{cfg.op}: backend='mosaic_gpu' has no kernel for compute capability "
-                     f"{capability[0]}.{capability[1]} (it serves majors {cfg.generations}): "
-                     f"use backend='triton' or None")
+    served = ", ".join(generation_name(g) for g in cfg.generations)
+    raise ValueError(f"{cfg.op}: backend='mosaic_gpu' has no kernel for "
+                     f"{generation_name(capability[0])} GPUs (compute capability "
+                     f"{capability[0]}.{capability[1]}; it serves {served}): use "
+                     f"backend='triton' or None")
 
 
 def dispatch(fn, cfg: KernelConfig, *args):

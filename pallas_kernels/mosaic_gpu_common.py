@@ -23,7 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.dispatch import compute_capability
+from pallas_kernels.dispatch import BLACKWELL, compute_capability
 
 _F32 = jnp.float32
 
@@ -32,7 +32,7 @@ def blackwell() -> bool:
   """Whether the kernel being traced is for a Blackwell GPU (compute capability 10.x: tcgen05
   and tensor memory); else Hopper's WGMMA (also what the interpreter runs for no known chip)."""
   capability = compute_capability()
-  return capability is not None and capability[0] == 10
+  return capability is not None and capability[0] == BLACKWELL
 
 
 def smem_transforms(plgpu, dtype, *minors: int):
@@ -98,11 +98,20 @@ def mma_wait(plgpu, acc):
 
 
 def read(plgpu, *accs):
-  """The float32 values of `accs` (after `mma_wait`); they may be written again afterwards."""
+  """The float32 values of `accs` (after `mma_wait`; from one `accumulators` call); they may
+  be written again afterwards.
+
+  Blackwell: every thread loads its rows from tensor memory and waits for its own loads; the
+  next MMA into these columns is issued by one thread, so the loads are ordered before it by
+  an arrival on the accumulators' barrier, which orders the tensor core (every thread fences
+  with tcgen05's before-thread-sync, then one arrives), and the wait on it (after-thread-sync
+  fence). A plain thread barrier would not order tensor-memory accesses."""
   if not blackwell():
     return tuple(acc[...] for acc in accs)
   values = tuple(plgpu.async_load_tmem(acc.ref) for acc in accs)
-  plgpu.wait_load_tmem()  # the next MMA into these accumulators must not overtake the loads
+  plgpu.wait_load_tmem()
+  plgpu.barrier_arrive(accs[0].done)
+  plgpu.barrier_wait(accs[0].done)
   return values
 
 

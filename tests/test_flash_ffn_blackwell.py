@@ -1,9 +1,11 @@
 """FlashFFN's Mosaic GPU kernels on Blackwell (tcgen05 MMAs into tensor memory, traced for a
 B200 with `target_chip`): forward and every gradient against the independent float64
 reference of `tests/independent.py` through the Mosaic GPU interpreter with its race
-detector (odd sizes, random inputs), float32 by default and bf16 and other shapes in the slow
-run; `backend=None` lowers to Mosaic GPU for a B200 target with bf16 inputs (Triton for
-float32); Blackwell's tile rule. How outputs and gradients are compared:
+detector (odd sizes, random inputs), bf16 (what dispatch runs on a B200) and float32, other
+shapes and the two-pass dK/dU/dV kernel in the slow run; the tensor-memory ordering the
+interpreter cannot check, in the traced kernels; `backend=None` lowers to Mosaic GPU for a B200
+target with 16-bit inputs (Triton for float32 and wide heads); Blackwell's tile rules and
+the refusals of a forced Mosaic GPU kernel. How outputs and gradients are compared:
 `tests/independent_checks.py`."""
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 from pallas_kernels import flash_ffn as kernel
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import target_chip
+from pallas_kernels.flash_ffn import mosaic_gpu as blackwell_kernels
 from tests import independent as ind
 from tests import kernel_checks
 from tests import test_flash_ffn as hopper
@@ -27,7 +30,7 @@ from tests.test_flash_ffn_independent import (FFN_DIRS, FFN_INPUTS, FFN_NAMES, F
                                               _ffn_args, ffn_reference_derivatives)
 
 pytestmark = needs_mosaic_gpu
-F32, BF16 = jnp.float32, jnp.bfloat16
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 CHIP = "gpu-b200"
 # FFN_SHAPE (L = 133: two 128-token tiles, the second mostly padding; d_e = 24 in 16-wide
 # tiles inside one 128-row dK/dU/dV tile, 32-token dK/dU/dV steps; d_h = 8).
@@ -82,9 +85,74 @@ def test_forward_and_grads_f32():
   check_against_independent(F32)
 
 
-@pytest.mark.slow
 def test_forward_and_grads_bf16():
+  """The dtype dispatch runs on a B200 (float32 takes Triton there)."""
   check_against_independent(BF16)
+
+
+# dK/dU/dV in two passes over the tokens: 3 * 48 + 3 * 128 = 528 tensor-memory columns > 512
+# (`test_dkuv_passes`); two 128-token steps.
+TWO_PASSES = dict(shape=(1, 200, 1, 48, 2, 40), block_q_dkv=128)
+
+
+@pytest.mark.parametrize("d, bk, passes", [(128, 32, 1), (96, 64, 1), (128, 64, 2), (48, 128, 2)])
+def test_dkuv_passes(d, bk, passes):
+  """One pass while three [128, d] accumulators and three [128, bk] products fit tensor
+  memory's 512 columns (Pallas' sum of 8-column-rounded buffers), else two: 96 and 64 fit
+  (480 columns) although each rounded to a power of two would not."""
+  with target_chip(CHIP):
+    assert len(blackwell_kernels._dkuv_passes(128, d, bk)) == passes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+def test_two_dkuv_passes(dtype, monkeypatch):
+  """The two-pass dK/dU/dV kernel (dK and dU, then dV) against the einsum reference."""
+  shape, bk = TWO_PASSES["shape"], TWO_PASSES["block_q_dkv"]
+  with target_chip(CHIP):
+    assert len(blackwell_kernels._dkuv_passes(128, shape[3], bk)) == 2
+  monkeypatch.setitem(hopper.PATHS, "mosaic_gpu_blackwell",
+                      functools.partial(blackwell_op(), block_q_dkv=bk))
+  hopper.compiled.cache_clear()
+  with target_chip(CHIP):
+    hopper.check_against_reference("mosaic_gpu_blackwell", dtype, shape=shape)
+  hopper.compiled.cache_clear()
+
+
+def _eqn_lists(jaxpr):
+  """The equation lists of `jaxpr` and of every jaxpr nested in its equations' parameters
+  (the kernels' bodies, scopes and loops)."""
+  yield jaxpr.eqns
+  stack = [v for e in jaxpr.eqns for v in e.params.values()]
+  while stack:
+    value = stack.pop()
+    if isinstance(value, (tuple, list)):
+      stack.extend(value)
+    elif isinstance(value, jax.extend.core.ClosedJaxpr):
+      yield from _eqn_lists(value.jaxpr)
+    elif isinstance(value, jax.extend.core.Jaxpr):
+      yield from _eqn_lists(value)
+
+
+def test_tensor_memory_loads_ordered_before_the_next_mma():
+  """After the loads from tensor memory, every thread fences and signals on a barrier that
+  orders the tensor core (arrive, then wait) before one thread issues the next MMA into the
+  same columns. The interpreter runs in program order and cannot see a missing fence, so
+  this checks the traced kernels' structure (the PTX it gives: `tcgen05.fence::*_thread_sync`
+  around each `tcgen05.wait::ld`)."""
+  grad = jax.grad(functools.partial(kernel_checks.sin_loss, blackwell_op()), argnums=(0,))
+  args = hopper.make_inputs(BF16, shape=(1, 9, 1, 16, 1, 64))
+  with target_chip(CHIP):
+    jaxpr = jax.make_jaxpr(grad)(*args).jaxpr
+  loads = 0
+  for eqns in _eqn_lists(jaxpr):
+    names = [e.primitive.name for e in eqns]
+    for i, name in enumerate(names):
+      if name == "wait_load_tmem":
+        loads += 1
+        assert names[i + 1:i + 3] == ["barrier_arrive", "barrier_wait"], names[i:i + 3]
+        assert eqns[i + 1].invars[0].aval.inner_aval.dtype.orders_tensor_core
+  assert loads >= 3  # forward, dq/dr and dK/dU/dV kernels
 
 
 # The Hopper tests' other layouts and loop shapes (d_h = 128 flat, d_h = 24 head-major, one
@@ -101,11 +169,13 @@ def test_other_shapes(shape, dtype, monkeypatch):
   hopper.compiled.cache_clear()
 
 
-@pytest.mark.parametrize("dtype, backend", [(BF16, "mosaic_gpu"), (F32, "triton")],
-                         ids=["bf16", "f32"])
+@pytest.mark.parametrize("dtype, backend",
+                         [(BF16, "mosaic_gpu"), (F16, "mosaic_gpu"), (F32, "triton")],
+                         ids=["bf16", "f16", "f32"])
 def test_auto_picks_mosaic_gpu_on_blackwell_for_bf16(dtype, backend):
   """backend=None lowers to Mosaic GPU (the mosaic_gpu_v2 custom call) for a B200 target with
-  bf16 inputs and to Triton for float32 (forward: one kernel; gradient: three)."""
+  16-bit inputs (float16 with bfloat16's 128-row tiles) and to Triton for float32 (forward:
+  one kernel; gradient: three)."""
   args = hopper.paper_shape(dtype)
   grad = jax.grad(functools.partial(kernel_checks.sin_loss, kernel.mhffn),
                   argnums=(0, 1, 2, 3, 4))
@@ -128,6 +198,31 @@ def test_auto_takes_triton_on_blackwell_for_wide_heads():
     assert kernel_checks.BACKEND_CALL[backend] in text, device_kind
 
 
+def test_auto_takes_triton_on_hopper_beyond_its_widest_head():
+  """d_h = 264 > 256 (WGMMA's widest N): backend=None lowers to Triton for an H100 instead of
+  refusing the shape in the Mosaic GPU tile plan."""
+  spec = lambda *s, d=BF16: jax.ShapeDtypeStruct(s, d)
+  args = (spec(1, 256, 1, 264), spec(1, 256, 1, 2, d=F32), *(spec(1, 2, 64, 264),) * 3)
+  text = kernel_checks.export_mlir(kernel.mhffn, "cuda", *args,
+                                   device_kind=kernel_checks.HOPPER_DEVICE_KIND)
+  assert kernel_checks.BACKEND_CALL["triton"] in text
+  assert kernel_checks.BACKEND_CALL["mosaic_gpu"] not in text
+
+
+@pytest.mark.parametrize("dtype, match", [
+    (BF16, "needs d_h <= 128 on Blackwell, got 192"),
+    (F32, r"16-bit inputs only \(its float32 kernels fault on a real GPU")], ids=["d_h", "f32"])
+def test_forced_mosaic_gpu_on_blackwell_names_the_limit(dtype, match):
+  """A forced backend='mosaic_gpu' compiled for a B200 names what it does not serve: the head
+  width (not "no kernel for compute capability 10.0": the Blackwell kernel exists), or float32
+  (without calling the B200 a Hopper GPU)."""
+  spec = lambda *s, d=dtype: jax.ShapeDtypeStruct(s, d)
+  args = (spec(1, 256, 1, 192), spec(1, 256, 1, 2, d=F32), *(spec(1, 2, 128, 192),) * 3)
+  op = functools.partial(kernel.mhffn, backend="mosaic_gpu")
+  with pytest.raises(ValueError, match=match):
+    kernel_checks.export_mlir(op, "cuda", *args, device_kind=kernel_checks.BLACKWELL_DEVICE_KIND)
+
+
 @pytest.mark.parametrize("blocks, d_h", [(dict(block_q=64), 8), (dict(block_inter=256), 8),
                                          ({}, 136)], ids=["block_q", "block_inter", "d_h"])
 def test_blackwell_tiles_are_128_rows(blocks, d_h):
@@ -145,6 +240,16 @@ def test_unknown_blackwell_chip_gets_the_b200_tiles(monkeypatch):
   Hopper's 64)."""
   monkeypatch.setattr(dispatch, "current_chip", lambda: None)
   monkeypatch.setattr(dispatch, "compute_capability", lambda: (10, 3))
-  for dtype in ("float32", "bfloat16"):
+  for dtype, entry in (("float32", "float32"), ("bfloat16", "bfloat16"),
+                       ("float16", "bfloat16")):
     assert (kernel.BlockSizes.for_backend("mosaic_gpu", dtype)
-            == kernel.TUNED["mosaic_gpu", CHIP, dtype])
+            == kernel.TUNED["mosaic_gpu", CHIP, entry])
+
+
+def test_gpu_benchmark_checks_what_auto_runs():
+  """benchmarks/gpu_flash_ffn.py checks and times the kernel body backend=None runs on a B200
+  (the tcgen05 one), besides Triton."""
+  from benchmarks import gpu_flash_ffn as bench
+  with target_chip(CHIP):
+    assert bench.gpu_backends() == ("triton", "mosaic_gpu")
+    assert bench.auto_backend(F32) == "triton"

@@ -155,8 +155,10 @@ def test_forced_mosaic_gpu_names_what_it_cannot_serve(shape, chunk, match):
 
 
 @pytest.mark.parametrize("device_kind, match", [
-    (kernel_checks.BLACKWELL_DEVICE_KIND, "compute capability 10.0"),
-    (kernel_checks.CUDA_DEVICE_KIND, "compute capability 8.0")], ids=["b200", "a100"])
+    (kernel_checks.BLACKWELL_DEVICE_KIND, r"Blackwell \(10.x\) GPUs \(compute capability 10.0; "
+     r"it serves Hopper \(9.x\)\)"),
+    (kernel_checks.CUDA_DEVICE_KIND, r"Ampere \(8.x\) GPUs \(compute capability 8.0")],
+    ids=["b200", "a100"])
 def test_forced_mosaic_gpu_refused_where_it_has_no_kernel(device_kind, match):
   """FRAC's Mosaic GPU kernel is WGMMA's (Hopper): forcing it for a B200 or an A100 is a
   clear error when lowered (auto takes Triton there), not a Mosaic compiler failure."""

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxops.flash_ffn import check_mhffn_inputs
-from pallas_kernels.dispatch import BLACKWELL, HOPPER, Backend, KernelConfig, dispatch
+from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
 from pallas_kernels.flash_ffn import mosaic, mosaic_gpu, triton
 from pallas_kernels.flash_ffn.blocks import TUNED, BlockSizes
-from pallas_kernels.flash_ffn.tiles import BLACKWELL_MAX_D_H, TilePlan
+from pallas_kernels.flash_ffn.tiles import MAX_D_H, TilePlan, mosaic_gpu_generations
 
 __all__ = ["BlockSizes", "TUNED", "mhffn"]
 
@@ -83,9 +83,9 @@ def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **bl
     r: [B, L, H, E] normalized router weights.
     k, u, v: [H, E, d_e, d_h] gate / up / down tables (q's dtype).
     interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Mosaic GPU on
-      Hopper and Blackwell for 16-bit inputs, Triton otherwise); True (or the backend's interpreter params,
-      `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`) interprets everywhere; False
-      never interprets.
+      Hopper and Blackwell for 16-bit inputs and heads it serves, `tiles.MAX_D_H`; Triton
+      otherwise); True (or the backend's interpreter params, `pltpu.InterpretParams` /
+      `plgpu.InterpretGPUParams`) interprets everywhere; False never interprets.
     backend: force one lowering ("mosaic", "triton" or "mosaic_gpu", the last on jax >=
       0.11.2); with `interpret` this runs the other platform's kernel body on CPU.
     **block_sizes: overrides of `BlockSizes` fields (block_q, block_inter, block_q_dkv,
@@ -96,9 +96,11 @@ def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **bl
     o: [B, L, H, d_h] in q.dtype; matmuls in the input dtype with float32 accumulation.
   """
   check_mhffn_inputs(q, r, k, u, v)
-  # Blackwell's kernels serve heads up to BLACKWELL_MAX_D_H wide; wider ones run Triton there.
-  blackwell = (BLACKWELL,) if q.shape[-1] <= BLACKWELL_MAX_D_H else ()
+  # backend=None takes Triton on a generation whose kernels are narrower than the heads; a
+  # forced "mosaic_gpu" keeps every generation, so TilePlan names the width limit.
+  generations = (tuple(MAX_D_H) if backend == "mosaic_gpu"
+                 else mosaic_gpu_generations(q.shape[-1], q.dtype))
   cfg = KernelConfig.make("mhffn", BlockSizes, backend=backend, interpret=interpret,
                           block_sizes=block_sizes, backends=("mosaic", "triton", "mosaic_gpu"),
-                          generations=(HOPPER, *blackwell))
+                          generations=generations)
   return _mhffn(q, r, k, u, v, cfg)

@@ -25,6 +25,11 @@ class BlockSizes:
   block_q_dkv: tokens per step of the dK/dU/dV kernel's token loop (same rule as block_q).
   num_warps, num_stages: Triton launch parameters per kernel (ignored by Mosaic).
     Mosaic GPU: num_stages is the depth of its TMA pipelines (buffers per streamed tile).
+
+  Sizes a caller passes apply on whatever chip the program is compiled for, and each chip's
+  rule holds there: block_q=64 runs on an H100 and is a ValueError on a B200.
+  The tuned entries are keyed by dtype name; other 16-bit dtypes (float16) take bfloat16's
+  (`dispatch.tuned`).
   """
 
   block_q: int = 256

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxops.tiling import round_up
 from pallas_kernels.dispatch import mosaic_gpu_module
 from pallas_kernels.flash_ffn.tiles import TilePlan, activation_grads, weighted_activation
 from pallas_kernels.mosaic_gpu_common import (accumulators, blackwell, compiler_params,
@@ -216,12 +217,14 @@ def _dq_dr(plgpu, plan: TilePlan, q, r, ds, k, u, v, interpret):
 def _dkuv_passes(rows: int, d: int, bk: int):
   """Which of (dK, dU, dV) each pass over the tokens accumulates: all three at once when
   their float32 accumulators fit, else dK and dU, then dV (which recomputes the two scores
-  it needs). Hopper: they fit in at most 128 registers per thread. Blackwell: they and the
-  step's three [rows, bk] products fit the 512 columns of tensor memory (each allocation a
-  power of two >= 32 columns)."""
+  it needs). Hopper: they fit in at most 128 registers per thread. Blackwell: the three
+  [rows, d] accumulators and, scoped inside them, the step's three [rows, bk] products
+  (float32, one column per element of a row) fit the 512 columns of tensor memory. Pallas
+  sizes the block's allocation as the sum over nested scopes of each buffer's columns
+  rounded up to 8 (the 128 x 8 allocation chunk; the buffers themselves sit at 4-column
+  offsets), then rounds that total up to a power of two, so 512 is the bound on the sum."""
   if blackwell():
-    columns = lambda n: max(32, 1 << (n - 1).bit_length())
-    fits = 3 * columns(d) + 3 * columns(bk) <= 512
+    fits = 3 * round_up(d, 8) + 3 * round_up(bk, 8) <= 512
   else:
     fits = 3 * (rows * d // 128) <= 128
   return ((0, 1, 2),) if fits else ((0, 1), (2,))

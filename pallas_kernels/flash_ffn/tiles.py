@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxops.tiling import dot, dot_nt, dot_tn, next_pow2, round_up
-from pallas_kernels.dispatch import Backend
+from pallas_kernels.dispatch import BLACKWELL, HOPPER, Backend
 from pallas_kernels.flash_ffn.blocks import BlockSizes
 from pallas_kernels.mosaic_gpu_common import blackwell
 
@@ -134,18 +134,38 @@ class Orientation:
 # layout (the columns split over two lane halves) wants 16-column multiples and, in jax
 # 0.12, has no register layout that these kernels' row broadcasts lower to.
 _BLACKWELL_M = 128
-# The widest head the Blackwell kernels take: the dK/dU/dV kernel keeps four [128, d_h] tiles
-# (K, U, V and its output staging) in shared memory, 227 KiB a block (d_h = 192: 265 KiB).
-BLACKWELL_MAX_D_H = 128
+# The widest (padded) head the Mosaic GPU kernels take, per generation. Hopper: d_h is a
+# WGMMA N, at most 256. Blackwell: the dK/dU/dV kernel keeps four [128, d_h] tiles (K, U, V
+# and its output staging) in shared memory, 227 KiB a block (d_h = 192: 265 KiB).
+MAX_D_H = {HOPPER: 256, BLACKWELL: 128}
+
+
+def padded_d_h(backend: Backend, d_h: int, dtype) -> int:
+  """d_h as the kernels of `backend` see it: Triton a power of two; Mosaic GPU a multiple of
+  32 bytes (a shared-memory minor dim); Mosaic unpadded."""
+  if backend == "triton":
+    return next_pow2(d_h)
+  if backend == "mosaic_gpu":
+    return round_up(d_h, 32 // jnp.dtype(dtype).itemsize)
+  return d_h
+
+
+def mosaic_gpu_generations(d_h: int, dtype) -> tuple:
+  """The generations (compute-capability majors) whose Mosaic GPU kernels take heads d_h wide
+  in `dtype`: what `backend=None` may pick; wider heads take Triton there."""
+  width = padded_d_h("mosaic_gpu", d_h, dtype)
+  return tuple(g for g, limit in MAX_D_H.items() if width <= limit)
 
 
 def _fit_tokens(backend: Backend, name: str, block: int, tokens: int) -> int:
   if backend == "mosaic_gpu":  # WGMMA: M a multiple of 64 (block_q); N, K of 16 (block_q_dkv)
-    if name == "block_q" and blackwell() and block != _BLACKWELL_M:
-      raise ValueError(f"mhffn: Mosaic GPU block size `block_q` must be {_BLACKWELL_M} on "
-                       f"Blackwell (tcgen05's M: one accumulator row per tensor-memory lane), "
-                       f"got {block}")
-    multiple = (_BLACKWELL_M if blackwell() else 64) if name == "block_q" else 16
+    if name == "block_q" and blackwell():  # exactly tcgen05's M, however few the tokens
+      if block != _BLACKWELL_M:
+        raise ValueError(f"mhffn: Mosaic GPU block size `block_q` must be {_BLACKWELL_M} on "
+                         f"Blackwell (tcgen05's M: one accumulator row per tensor-memory "
+                         f"lane), got {block}")
+      return block
+    multiple = 64 if name == "block_q" else 16
     if block % multiple:
       raise ValueError(f"mhffn: Mosaic GPU block size `{name}` must be a multiple of "
                        f"{multiple}, got {block}")
@@ -174,7 +194,8 @@ class TilePlan:
   experts: int       # the real E (the reduction runs over these only)
   experts_pad: int   # rows of the router array (Triton: a power of two)
   d_e: int           # padded to a multiple of block_inter and rows_dkuv
-  rows_dkuv: int     # table rows per dK/dU/dV program (block_inter; Mosaic GPU: >= 64)
+  rows_dkuv: int     # table rows per dK/dU/dV program (block_inter; Mosaic GPU: >= 64 on
+                     # Hopper, exactly 128 on Blackwell)
   flat: bool
   orient: Orientation        # forward and dq kernels
   orient_dkuv: Orientation   # dK/dU/dV kernel
@@ -191,12 +212,12 @@ class TilePlan:
       if bi & (bi - 1):
         raise ValueError(f"mhffn: Triton block size `block_inter` must be a power of two, "
                          f"got {blocks.block_inter}")
-      padded_d_h, experts_pad = next_pow2(d_h), next_pow2(experts, minimum=1)
-      flat = padded_d_h == d_h
+      width, experts_pad = padded_d_h(backend, d_h, q.dtype), next_pow2(experts, minimum=1)
+      flat = width == d_h
     elif backend == "mosaic_gpu":
       # block_inter is an N and a K of WGMMA in the forward and dq kernels; the dK/dU/dV
       # kernel's table rows are its M, a multiple of 64 (`rows_dkuv`). d_h is a K and an N
-      # (at most 256) and a shared-memory minor dim: a multiple of 32 bytes.
+      # and a shared-memory minor dim (`padded_d_h`), at most the generation's MAX_D_H.
       # Blackwell: the rows are exactly tcgen05's M, 128 (block_inter at most 128).
       bi, rows = blocks.block_inter, _BLACKWELL_M if blackwell() else 64
       if (bi % 16 or (bi < 64 and 64 % bi) or (bi > 64 and bi % 64)
@@ -205,25 +226,26 @@ class TilePlan:
                          f"multiple of 64 (at most {_BLACKWELL_M} on Blackwell), got {bi}")
       bi = min(bi, round_up(d_e, rows))
       rows_dkuv = max(bi, rows)
-      padded_d_h = round_up(d_h, 32 // q.dtype.itemsize)
-      limit = BLACKWELL_MAX_D_H if blackwell() else 256
-      if padded_d_h > limit:
+      width = padded_d_h(backend, d_h, q.dtype)
+      limit = MAX_D_H[BLACKWELL if blackwell() else HOPPER]
+      if width > limit:
         raise ValueError(f"mhffn: the Mosaic GPU kernel needs d_h <= {limit}"
                          f"{' on Blackwell' if blackwell() else ''}, got {d_h}")
-      experts_pad, flat = experts, padded_d_h == d_h
+      experts_pad, flat = experts, width == d_h
     else:
       bi = min(blocks.block_inter, d_e)
       if bi % 8:
         raise ValueError(f"mhffn: Mosaic block size `block_inter` must be a multiple of 8, "
                          f"got {blocks.block_inter}")
-      padded_d_h, experts_pad, flat = d_h, experts, d_h % 128 == 0 or heads == 1
+      width, experts_pad = padded_d_h(backend, d_h, q.dtype), experts
+      flat = d_h % 128 == 0 or heads == 1
     if backend != "mosaic_gpu":
       rows_dkuv = bi
     tile = max(bq, bk)
     if tile % bq or tile % bk:
       raise ValueError(f"mhffn: block_q ({bq}) and block_q_dkv ({bk}) must divide one another")
     return cls(dataclasses.replace(blocks, block_q=bq, block_inter=bi, block_q_dkv=bk), heads,
-               round_up(tokens, tile), padded_d_h, experts, experts_pad,
+               round_up(tokens, tile), width, experts, experts_pad,
                round_up(d_e, rows_dkuv), rows_dkuv, flat,
                Orientation(transposed=backend != "triton"), Orientation(transposed=True))
 
