@@ -152,12 +152,12 @@ def test_cases_cover_the_issue_shapes_and_round_trip():
     assert sum(c.expect_failure for c in every) == 1
     for c in every:
       assert cases.parse(c.name) == c
-  hopper = cases.all_cases("gpu", hopper=True)
+  hopper = cases.all_cases("gpu", generation="hopper")
   assert [c.backend for c in hopper if c.expect_failure] == ["", "mosaic_gpu"]
   for c in hopper:
     assert cases.parse(c.name) == c
   # B200: the Blackwell kernel's own oversized case (its tiles are at most 128 rows).
-  blackwell = [c for c in cases.all_cases("gpu", blackwell=True) if c.expect_failure]
+  blackwell = [c for c in cases.all_cases("gpu", generation="blackwell") if c.expect_failure]
   assert [c.backend for c in blackwell] == ["", "mosaic_gpu"]
   assert blackwell[1] == cases.OVERSIZED["blackwell"] == cases.parse(blackwell[1].name)
   assert cases.SHAPES["flash_ffn"]["370m"] == dict(b=1, l=16384, h=8, d=128, e=11, f=256)

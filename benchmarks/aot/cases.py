@@ -78,9 +78,10 @@ SHAPES = {
 }
 
 # Blocks far beyond any chip's on-chip memory, one per backend's limiting resource
-# ("hopper", "blackwell": the Mosaic GPU kernel, which H100/H200 and B200 compile besides the
-# Triton one; Blackwell's tiles are at most 128 rows, so four stages of three [128, d_h]
-# tables, 384 KiB).
+# ("hopper", "blackwell": the Mosaic GPU kernel of that generation, which H100/H200 and B200
+# compile besides the Triton one; Blackwell's tiles are at most 128 rows, so four stages of
+# three [128, d_h] bf16 tables, 384 KiB, plus q, the activation operand and the router block:
+# 464,964 B, 454 KiB, recorded).
 OVERSIZED = {
     "tpu": Case("flash_ffn", "370m", "fwd", "float32", (("block_q", 16384),), True),
     "gpu": Case("flash_ffn", "370m", "fwd", "float32",
@@ -102,19 +103,17 @@ def parse(name: str) -> Case:
   return Case(op, shape, direction, dtype, blocks, expect_failure, backend)
 
 
-def all_cases(kind: str, ops=None, hopper: bool = False, shapes=None,
-              blackwell: bool = False) -> list[Case]:
+def all_cases(kind: str, ops=None, shapes=None, generation: str = "") -> list[Case]:
   """Every shape x direction x dtype of the given ops (far-offset shapes: grad only), plus the
-  target kind's oversized case (and the Mosaic GPU one on a Hopper or Blackwell target) when
-  their op is among `ops`. `shapes` (a set of shape names, None: all) selects shapes and leaves the
-  oversized cases out."""
+  target kind's oversized case (and the Mosaic GPU one of the target's `generation`,
+  "hopper" or "blackwell", `Target.generation`) when their op is among `ops`. `shapes` (a set
+  of shape names, None: all) selects shapes and leaves the oversized cases out."""
   cases = [Case(op, shape, direction, dtype)
            for op, op_shapes in SHAPES.items() if ops is None or op in ops
            for shape, sizes in op_shapes.items() if shapes is None or shape in shapes
            for direction in (("grad",) if sizes.get("far_offset") else ("fwd", "grad"))
            for dtype in ("float32", "bfloat16")]
-  oversized = ([OVERSIZED[kind]] + ([OVERSIZED["hopper"]] if hopper else [])
-               + ([OVERSIZED["blackwell"]] if blackwell else []))
+  oversized = [OVERSIZED[kind]] + ([OVERSIZED[generation]] if generation else [])
   if shapes is not None:
     return cases
   return cases + [c for c in oversized if ops is None or c.op in ops]

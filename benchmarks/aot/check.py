@@ -41,8 +41,9 @@ BEGIN, END = "<!-- compile-check:begin -->", "<!-- compile-check:end -->"
 def run_target(target, cases, timeout: float) -> list[dict]:
   """Compiles `cases` for `target` in worker processes; a case past `timeout` is recorded
   as such (its process group killed: ptxas runs as a child) and the rest resume. On Hopper
-  and Blackwell targets every case gets its own process: Mosaic GPU compiles a kernel once per process
-  (the same forward kernel in a later gradient case would have no ptxas report)."""
+  and Blackwell targets every case gets its own process: Mosaic GPU compiles a kernel once
+  per process (the same forward kernel in a later gradient case would have no ptxas
+  report)."""
   python = ROOT / target.venv / "bin" / "python"
   if not python.exists():
     sys.exit(f"compile check: {python} is missing; run `make compile-check` (it creates "
@@ -213,8 +214,8 @@ def main(argv=None):
     if name not in TARGETS:
       sys.exit(f"compile check: unknown target {name!r}; expected some of {sorted(TARGETS)}")
     target = TARGETS[name]
-    results += run_target(target, cases_lib.all_cases(target.kind, ops, target.hopper, shapes,
-                                                      target.blackwell), args.timeout)
+    results += run_target(target, cases_lib.all_cases(target.kind, ops, shapes, target.generation),
+                          args.timeout)
   elapsed = time.monotonic() - start
   ran = sorted({r["target"] for r in results}, key=list(TARGETS).index)
   if args.merge and (previous := pathlib.Path(args.out + ".json")).exists():

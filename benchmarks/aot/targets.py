@@ -8,9 +8,10 @@ GPU: XLA's `GpuTargetConfig` text protos (copied from openxla/xla
 compiles for; Pallas reads the compute capability from the GPU model named in their
 `device_description_str`; `shared_memory_per_block_optin` is the per-block shared-memory
 limit a kernel must fit (b200.txtpb: XLA's public B200 spec, compute capability 10.0).
-On Hopper targets (jax >= 0.12) FlashFFN compiles as a Mosaic GPU
-kernel (on Blackwell too, with tcgen05): Mosaic turns it into PTX and runs ptxas during XLA's compile, and checks its shared
-memory against the limit set with `artificial_shared_memory_limit` (see worker.py).
+On Hopper and Blackwell targets (jax >= 0.12) bfloat16 FlashFFN compiles as a Mosaic GPU
+kernel (WGMMA; tcgen05 on Blackwell), and on Hopper Pack3D and FRAC do too: Mosaic turns
+it into PTX and runs ptxas during XLA's compile, and checks its shared memory against the
+limit set with `artificial_shared_memory_limit` (see worker.py).
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ class Target:
   # The per-kernel on-chip memory limit the compiler enforces: shared memory per block
   # (GPU); default scoped VMEM (TPU; raise it with CompilerParams(vmem_limit_bytes=...)).
   on_chip_limit: int
-  hopper: bool = False    # WGMMA and TMA: where the Mosaic GPU kernels run
-  blackwell: bool = False  # tcgen05 and tensor memory: the FlashFFN Mosaic GPU kernels run
+  # The tensor cores of the Mosaic GPU kernels that compile for it: "hopper" (WGMMA: every
+  # op's), "blackwell" (tcgen05 and tensor memory: FlashFFN's); "" for none.
+  generation: str = ""
 
   @property
   def mosaic_gpu(self) -> bool:
     """Whether some op compiles as a Mosaic GPU kernel for this target."""
-    return self.hopper or self.blackwell
+    return bool(self.generation)
 
   @property
   def venv(self) -> str:
@@ -47,9 +49,9 @@ TARGETS = {t.name: t for t in (
     Target("tpu-v5e", "tpu", "v5e:2x2", 16 * 2**20),
     Target("tpu-v6e", "tpu", "v6e:2x2", 32 * 2**20),
     Target("gpu-a100", "gpu", "a100_sxm_80.txtpb", 166_912),
-    Target("gpu-h100", "gpu", "h100_sxm.txtpb", 232_448, hopper=True),
-    Target("gpu-h200", "gpu", "h200.txtpb", 232_448, hopper=True),
-    Target("gpu-b200", "gpu", "b200.txtpb", 232_448, blackwell=True),
+    Target("gpu-h100", "gpu", "h100_sxm.txtpb", 232_448, generation="hopper"),
+    Target("gpu-h200", "gpu", "h200.txtpb", 232_448, generation="hopper"),
+    Target("gpu-b200", "gpu", "b200.txtpb", 232_448, generation="blackwell"),
 )}
 
 
