@@ -5,7 +5,9 @@ c(i) = floor(p_i / block_shape). `cube_layout` places the tokens cube-major (C c
 slots, `CubeLayout`) and lists each cube's neighbours, the cubes of its field within
 `radius_blocks` (Chebyshev distance in cubes); every other used cube of the field is far
 (`is_far`). The XLA path (`jaxops.pack3d.pack3d_attention`) and the Pallas kernel
-(`pallas_kernels.pack3d_attention`) attend over this same layout.
+(`pallas_kernels.pack3d_attention`) attend over this same layout; the kernel's TPU operands
+store it g slots to a row (`group_rows`, `CubeLayout.to_slot_rows`), so that their rows fill
+the 128 lanes a TPU pads each HBM row to.
 
 Static structure: under `jit` the number of cubes C must be static. Concrete
 coords/field_ids (numpy, or jax arrays closed over by the jitted function) give the
