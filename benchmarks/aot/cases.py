@@ -10,6 +10,7 @@ dtype. Shapes are the paper's and the configs' (the ones a user runs):
   pack3d     65k    one 64x32x32 grid per entry, B=2 N=65536 H=2 D=48, traced coords
              262k   one 64^3 grid per entry, B=4 N=262144 H=2 D=48, traced coords (the
                     neighbour table, 1.7 MiB, must not have to fit TPU SMEM whole)
+             262k_seg3d  the same at the segmentation width, H=4 D=24 (issue 20's D = 24 row)
              1m     one 64x128x128 grid, B=1 N=1048576 H=2 D=48, traced coords (16,384
                     cubes: every query cube's far stream walks 16,384 summaries)
              1m_seg3d  the same grid at the segmentation width, H=4 D=24
@@ -65,6 +66,7 @@ SHAPES = {
                   "seg3d": dict(b=8, l=3072, h=4, d=24, e=2, f=64)},
     "pack3d": {"65k": dict(b=2, grid=(64, 32, 32), h=2, d=48),
                "262k": dict(b=4, grid=(64, 64, 64), h=2, d=48),
+               "262k_seg3d": dict(b=4, grid=(64, 64, 64), h=4, d=24),
                "1m": dict(b=1, grid=(64, 128, 128), h=2, d=48),
                "1m_seg3d": dict(b=1, grid=(64, 128, 128), h=4, d=24),
                "1m_seg3d_l3": dict(b=1, grid=(64, 128, 128), h=4, d=24, levels=3),
