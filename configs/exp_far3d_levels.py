@@ -2,6 +2,7 @@
 paper's single level where the marker lies beyond a query's level-2 neighbourhood?
 
   python -m experiments.repacking --config=configs/exp_far3d_levels.py
+  python -m experiments.repacking --config=configs/exp_far3d_levels.py:sweep --seeds=0
 
 The task of configs/exp_far3d.py (an object's class is decided by a cube-sized marker two or
 more cubes away, its surface flag by the exact local neighbourhood) on one 16^3 field per
@@ -14,12 +15,16 @@ default), two levels, and the local branch alone (the floor: no far context). Un
 other fields of 4096 tokens or fewer, each with at least 3 cubes per axis. The batches'
 coordinates are traced, so the two-level arm bounds its top level by `max_top_cubes` = 128
 (the largest field here has 5 x 4 x 4 = 80 level-2 cubes), not by the 1024 level-1 slots.
+The `sweep` variant (its own results file, far3d_levels_sweep) runs `levels2` at the two
+other learning rates of configs/exp_far3d.py's sweep, 1e-3 and 4e-3: is 2e-3 what holds it back?
 """
 
 from configs import exp_far3d
 
 
-def get_config():
+def get_config(variant: str = "main"):
+  if variant not in ("main", "sweep"):
+    raise ValueError(f"exp_far3d_levels: variant must be 'main' or 'sweep', got {variant!r}")
   c = exp_far3d.get_config()
   c.batch_size = 2
   c.data.update({"shapes": [(16, 16, 16)], "fields_per_item": 1, "num_tokens": 4096,
@@ -33,4 +38,7 @@ def get_config():
                "levels2": {"position": "axial_rope", "levels": 2, "max_top_cubes": 128},
                "local_only": {"position": "axial_rope", "merge": "local"}},
   })
+  if variant == "sweep":
+    c.experiment.update({"name": "far3d_levels_sweep", "lrs": (1e-3, 4e-3),
+                         "order": ("levels2",)})
   return c

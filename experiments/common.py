@@ -1,5 +1,5 @@
 """What the experiment runners share: a results file that resumes arm by arm, statistics,
-machine-load snapshots, timing and the absl entry point.
+machine-load snapshots, timing (side-by-side train steps too) and the absl entry point.
 
 results/<name>.json = {"experiment": name, "meta": {...}, "runs": {"<arm>/seed<k>": {...}},
                        ...other sections a runner adds (throughput, profile, ...)}
@@ -195,6 +195,69 @@ def timed(fn: Callable, *args, repeats: int, warmup: int = 2):
   return (time.perf_counter() - t) / repeats
 
 
+# ----------------------------------------------------------------------------- throughput
+
+def make_train_step(model: nnx.Module, loss_fn: Callable, optim_config, steps: int):
+  """(jitted step(params, opt_state, batch) -> (params, opt_state, loss), params, opt_state):
+  the trainer's update (`train.optim.make_optimizer`: clipping and AdamW) on
+  loss_fn(model, batch)[0], without sharding or metrics: what the throughput stages time."""
+  import optax  # noqa: PLC0415
+  from train import optim  # noqa: PLC0415
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  tx = optim.make_optimizer(optim_config, steps)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(
+        lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch)[0])(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step, params, tx.init(params)
+
+
+def wait_for_idle(threshold: float, max_wait_s: int) -> dict:
+  """Waits (up to max_wait_s) for a 1-minute load average below `threshold`; the load then."""
+  t0 = time.time()
+  while os.getloadavg()[0] >= threshold and time.time() - t0 < max_wait_s:
+    time.sleep(20)
+  return {**machine_load(), "waited_s": round(time.time() - t0),
+          "idle": os.getloadavg()[0] < threshold}
+
+
+def throughput(steps: dict, tokens_per_step: int, rounds: int, per_round: int) -> dict:
+  """Side-by-side timing of train steps: `steps` maps arm -> (step, params, opt_state, batch)
+  (`make_train_step` and one batch). Every arm is compiled and warmed up, then after
+  `wait_for_idle` (--idle_load, --idle_wait_s) `rounds` rounds of `per_round` steps per arm,
+  arms interleaved within a round; each arm's best round is its time. Returns the results'
+  "throughput" section."""
+  from absl import flags  # noqa: PLC0415
+  state = {}
+  for arm, (fn, params, opt_state, batch) in steps.items():      # compile and warm up
+    for _ in range(3):
+      params, opt_state, loss = fn(params, opt_state, batch)
+    jax.block_until_ready(loss)
+    state[arm] = (params, opt_state)
+  before = wait_for_idle(flags.FLAGS.idle_load, flags.FLAGS.idle_wait_s)
+  log(f"throughput: load {before}")
+  times = {arm: [] for arm in steps}
+  for _ in range(rounds):
+    for arm, (fn, _, _, batch) in steps.items():
+      params, opt_state = state[arm]
+      t = time.perf_counter()
+      for _ in range(per_round):
+        params, opt_state, loss = fn(params, opt_state, batch)
+      jax.block_until_ready(loss)
+      times[arm].append((time.perf_counter() - t) / per_round)
+      state[arm] = (params, opt_state)
+  rows = {arm: {"step_ms_best": 1e3 * min(t), "step_ms_all": [1e3 * x for x in t],
+                "tokens_per_s": tokens_per_step / min(t)} for arm, t in times.items()}
+  for arm, r in rows.items():
+    log(f"throughput {arm}: {r['step_ms_best']:.1f} ms/step, {r['tokens_per_s']:,.0f} tok/s")
+  return {"load_before": before, "load_after": machine_load(), "steps_per_round": per_round,
+          "rounds": rounds, "tokens_per_step": tokens_per_step, "arms": rows}
+
+
 def command_line() -> str:
   return " ".join(["python -m " + sys.modules["__main__"].__spec__.name
                    if getattr(sys.modules["__main__"], "__spec__", None) else sys.argv[0]]
@@ -247,6 +310,8 @@ def define_flags(default_config: str, stages: str) -> None:
   flags.DEFINE_string("seeds", "", "Comma-separated seeds (default: the config's).")
   flags.DEFINE_string("results_dir", str(RESULTS_DIR), "Where the json and png go.")
   flags.DEFINE_string("runs_dir", str(RUNS_DIR), "Where the training workdirs go.")
+  flags.DEFINE_float("idle_load", 0.5, "Load average a throughput stage waits for.")
+  flags.DEFINE_integer("idle_wait_s", 1800, "Longest wait for that load (s).")
 
 
 def seeds_from(flag_value: str, config) -> list[int]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import pathlib
 import time
 
@@ -32,7 +31,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from experiments import common
-from train import lm_task, optim
+from train import lm_task
 from train.data import text
 from train.metrics import read_metrics
 
@@ -183,63 +182,19 @@ def model_flops_per_token(model) -> int:
 # ----------------------------------------------------------------------------- timing
 
 def make_train_step(config):
-  """(jitted step(params, opt_state, batch), params, opt_state, batch) for the config's
-  model: the trainer's step (AdamW + clipping on lm_loss) without sharding or metrics."""
+  """(jitted step, params, opt_state, batch) for the config's model (`common.make_train_step`
+  on lm_loss, the first training batch)."""
   task = lm_task.build_task(config)
-  graphdef, params, rest = nnx.split(task.model, nnx.Param, ...)
-  tx = optim.make_optimizer(config.optim, config.steps)
-
-  @jax.jit
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(
-        lambda p: lm_task.lm_loss(nnx.merge(graphdef, p, rest), batch)[0])(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
   batch = {k: jnp.asarray(v) for k, v in task.train_batch(0).items()}
-  return step, params, tx.init(params), batch
-
-
-def wait_for_idle(threshold: float, max_wait_s: int) -> dict:
-  t0 = time.time()
-  while os.getloadavg()[0] >= threshold and time.time() - t0 < max_wait_s:
-    time.sleep(20)
-  return {**common.machine_load(), "waited_s": round(time.time() - t0),
-          "idle": os.getloadavg()[0] < threshold}
+  return (*common.make_train_step(task.model, lm_task.lm_loss, config.optim, config.steps),
+          batch)
 
 
 def throughput_stage(base, arms, results: common.Results) -> None:
   e = base.experiment
-  tokens = base.batch_size * base.model.context
   steps = {a: make_train_step(arm_config(base, a, 0)) for a in arms}
-  state = {a: list(s[1:3]) for a, s in steps.items()}
-  for a, (fn, *_rest) in steps.items():          # compile and warm up
-    p, o, batch = state[a] + [steps[a][3]]
-    for _ in range(3):
-      p, o, loss = fn(p, o, batch)
-    jax.block_until_ready(loss)
-    state[a] = [p, o]
-  before = wait_for_idle(flags.FLAGS.idle_load, flags.FLAGS.idle_wait_s)
-  common.log(f"throughput: load {before}")
-  times = {a: [] for a in arms}
-  for _ in range(e.throughput_rounds):
-    for a in arms:
-      fn, batch = steps[a][0], steps[a][3]
-      p, o = state[a]
-      t = time.perf_counter()
-      for _ in range(e.throughput_steps):
-        p, o, loss = fn(p, o, batch)
-      jax.block_until_ready(loss)
-      times[a].append((time.perf_counter() - t) / e.throughput_steps)
-      state[a] = [p, o]
-  after = common.machine_load()
-  rows = {a: {"step_ms_best": 1e3 * min(t), "step_ms_all": [1e3 * x for x in t],
-              "tokens_per_s": tokens / min(t)} for a, t in times.items()}
-  results.set("throughput", {"load_before": before, "load_after": after,
-                             "steps_per_round": e.throughput_steps, "rounds": e.throughput_rounds,
-                             "tokens_per_step": tokens, "arms": rows})
-  for a, r in rows.items():
-    common.log(f"throughput {a}: {r['step_ms_best']:.1f} ms/step, {r['tokens_per_s']:,.0f} tok/s")
+  results.set("throughput", common.throughput(steps, base.batch_size * base.model.context,
+                                              e.throughput_rounds, e.throughput_steps))
 
 
 def _fwd_bwd(module, *inputs):
@@ -380,6 +335,4 @@ def main(argv):
 
 if __name__ == "__main__":
   common.define_flags("configs/exp_lm_shakespeare.py", "train,throughput,profile,plot")
-  flags.DEFINE_float("idle_load", 0.5, "Load average the throughput stage waits for.")
-  flags.DEFINE_integer("idle_wait_s", 1800, "Longest wait for that load (s).")
   app.run(main)

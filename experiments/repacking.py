@@ -5,7 +5,7 @@ seen in training. Two experiments use it:
   python -m experiments.repacking --config=configs/exp_repacking.py   # positions vs relayout
   python -m experiments.repacking --config=configs/exp_far3d.py       # far context
 
-  [--stages=train,plot] [--only=axial_rope] [--seeds=0]
+  [--stages=train,throughput,plot] [--only=axial_rope] [--seeds=0]
 
 An arm is a dict of Pack3DAttention options over the config's (a plain string is a
 `position`). With config.experiment.lrs, every arm is swept over those learning rates at the
@@ -14,7 +14,10 @@ accuracy on the training layout). Per run: results/<config.experiment.name>.json
 evaluation set (training shapes, unseen shapes) and layout, the token metrics of
 `geometry_task.token_metrics` and the largest |logit| change against the training layout
 (after undoing the permutation); and, for joint-merge arms, the same metrics with the far
-branch switched off at inference (the trained weights with merge="local").
+branch switched off at inference (the trained weights with merge="local"). The throughput
+stage times one train step per arm side by side (`common.throughput`: arms interleaved,
+config.experiment.throughput_rounds x throughput_steps, after waiting for an idle machine)
+into the json's "throughput" section: an arm's cost per step.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pathlib
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 from flax import nnx
@@ -189,6 +193,16 @@ def plot(results, base, path) -> None:
   common.savefig(fig, path)
 
 
+def throughput_stage(base, arms, results) -> None:
+  e = base.experiment
+  batch = {k: jnp.asarray(v) for k, v in make_batch(base, 0, 0, 0, base.data.shapes).items()}
+  steps = {a: (*common.make_train_step(make_model(base, arm_options(base, a), 0), loss_fn,
+                                       base.optim, base.steps), batch) for a in arms}
+  results.set("throughput", common.throughput(
+      steps, base.batch_size * base.data.num_tokens, e.get("throughput_rounds", 2),
+      e.get("throughput_steps", 5)))
+
+
 def main(argv):
   del argv
   F = flags.FLAGS
@@ -202,6 +216,8 @@ def main(argv):
   stages = F.stages.split(",")
   if "train" in stages:
     train_stage(base, arms, seeds, results, pathlib.Path(F.runs_dir))
+  if "throughput" in stages:
+    throughput_stage(base, arms, results)
   if "plot" in stages:
     plot(results, base, pathlib.Path(F.results_dir) / f"{name}.png")
   results.save()

@@ -330,7 +330,20 @@ def repacking(d) -> str:
   out.append("Wall time per run (min): " + ", ".join(f"{a} {w:.1f}" for a, w in walls.items())
              + "; training steps/s (mean over seeds, beside other jobs): "
              + ", ".join(f"{a} {v:.2f}" for a, v in speeds.items()))
+  if "throughput" in d:
+    out.append(_throughput_line(d["throughput"], order))
   return "\n\n".join(out)
+
+
+def _throughput_line(t: dict, order) -> str:
+  """The side-by-side step times of `common.throughput`, each as a ratio to the first arm's."""
+  arms = [a for a in order if a in t["arms"]]
+  first = t["arms"][arms[0]]["step_ms_best"]
+  times = ", ".join(f"`{a}` {t['arms'][a]['step_ms_best']:,.0f} ms "
+                    f"({t['arms'][a]['step_ms_best'] / first:.2f}x)" for a in arms)
+  return (f"Cost per train step, side by side ({t['rounds']} rounds x {t['steps_per_round']} "
+          f"steps per arm, arms interleaved, best round; load before "
+          f"{t['load_before']['load1']}, after {t['load_after']['load1']}): {times}.")
 
 
 def seg3d(d) -> str:
@@ -419,6 +432,7 @@ def main(argv) -> None:
                    ("frac_memory_diag", frac_memory),
                    ("frac_memory", frac_memory), ("frac_extrapolate", frac_extrapolate),
                    ("repacking", repacking), ("far3d", repacking), ("far3d_levels", repacking),
+                   ("far3d_levels_sweep", repacking),
                    ("seg3d_cpu", seg3d)):
     d = _load(directory, name)
     if d is None:

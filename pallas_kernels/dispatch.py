@@ -226,6 +226,19 @@ def _check_mosaic_gpu_compiles(cfg: KernelConfig, dtype) -> None:
                      f"backend='triton' or None")
 
 
+def traced_body(cfg: KernelConfig, dtype) -> tuple[Backend, bool]:
+  """(backend, interpreted): the body `dispatch` runs in a program traced for
+  `target_platform()`, for callers that lay out operands for it before the call (the branch
+  `dispatch` leaves to lowering is the one this names, for a program lowered where it is traced)."""
+  platform = target_platform()
+  if cfg.interpret or (cfg.interpret is None and platform == "cpu"):
+    return cfg.backend or "mosaic", True
+  if cfg.backend:
+    return cfg.backend, False
+  return (gpu_backend(cfg.backends, dtype, cfg.generations) if platform == "gpu"
+          else "mosaic"), False
+
+
 def dispatch(fn, cfg: KernelConfig, *args):
   """Runs fn(backend, interpret, blocks, *args) with the lowering the platform calls for.
 

@@ -313,3 +313,29 @@ def test_far3d_report_shows_each_arm_at_its_own_best_lr():
   # none's best rate has one seed so far: its rows stay at the rate with two, said so
   assert "axial_rope 0.002, local_only 0.001, none 0.002 (best 0.001: seeds pending)." in text
   assert "+0.350, +0.330 | +0.340" in text   # axial at 2e-3 minus local-only at 1e-3, per seed
+
+
+def test_throughput_interleaves_arms_and_keeps_each_best_round(monkeypatch):
+  """`common.throughput`: each arm warmed up (3 steps) and then timed in rounds with the arms
+  alternating (so a slow phase of the machine hits every arm), its best round per step; the
+  step's state carries over (a timing of a stale state would retime the warm-up)."""
+  from absl import flags  # noqa: PLC0415
+  from experiments import report  # noqa: PLC0415
+  monkeypatch.setattr(flags, "FLAGS", type("F", (), {"idle_load": 1e9, "idle_wait_s": 0})())
+  clock, calls = iter(range(0, 1000, 1)), []
+  monkeypatch.setattr(common.time, "perf_counter", lambda: float(next(clock)))
+
+  def make(arm):
+    def step(params, opt_state, batch):
+      calls.append((arm, params))
+      return params + 1, opt_state, jnp.zeros(())
+    return step, 0, None, None
+
+  t = common.throughput({"a": make("a"), "b": make("b")}, tokens_per_step=100, rounds=2,
+                        per_round=2)
+  assert [a for a, _ in calls] == ["a"] * 3 + ["b"] * 3 + ["a", "a", "b", "b"] * 2
+  assert [p for a, p in calls if a == "a"] == list(range(7))
+  assert t["arms"]["a"]["step_ms_all"] == [500.0, 500.0]      # 1 clock tick per 2 steps
+  assert t["arms"]["b"]["tokens_per_s"] == 200.0
+  line = report._throughput_line(t, ["b", "a"])
+  assert "`b` 500 ms (1.00x), `a` 500 ms (1.00x)" in line

@@ -16,7 +16,10 @@ import pytest
 from jaxops import pack3d as ops
 from jaxops import packing, rope
 from jaxops.pack3d_layout import cube_layout, group_rows, layout_status, ungroup_rows
+from pallas_kernels import dispatch
 from pallas_kernels import pack3d_attention as kernel
+from pallas_kernels.pack3d_attention.blocks import BlockSizes
+from pallas_kernels.pack3d_attention.tiles import lane_groups
 from tests import kernel_checks
 
 # Batch 2 with the same N = 135: entry 0 packs two fields, entry 1 one; no field is a
@@ -291,6 +294,26 @@ def test_grouped_slot_rows_place_slot_j_t_over_g_plus_i_in_row_i(groups):
   np.testing.assert_array_equal(
       jax.grad(lambda r: jnp.sum(layout.from_slot_rows(r, groups) * x))(jnp.asarray(rows)),
       rows)
+
+
+@pytest.mark.parametrize("platform, backend, interpret, expect", [
+    ("cpu", None, None, ("mosaic", True)), ("cpu", "triton", None, ("triton", True)),
+    ("cpu", None, False, ("mosaic", False)), ("tpu", None, None, ("mosaic", False)),
+    ("gpu", None, None, ("triton", False)), ("gpu", "mosaic", True, ("mosaic", True))])
+def test_only_the_mosaic_body_gets_grouped_rows(platform, backend, interpret, expect,
+                                                monkeypatch):
+  """`traced_body` names the body `dispatch` runs for the traced platform, and the token
+  operands are grouped (g = `lane_groups` > 1) for the Mosaic TPU body only: grouped rows
+  fed to a Triton / Mosaic GPU body, or ungrouped ones to the Mosaic body, read wrong slots."""
+  monkeypatch.setattr(dispatch, "target_platform", lambda: platform)
+  monkeypatch.setattr(dispatch, "compute_capability", lambda: (8, 0))  # an A100: Triton
+  cfg = dispatch.KernelConfig.make("pack3d_attention", BlockSizes, backend=backend,
+                                   interpret=interpret, block_sizes={})
+  assert dispatch.traced_body(cfg, jnp.float32) == expect
+  body, interpreted = expect
+  groups = kernel._lane_groups(cfg, 64, 4 * 24, jnp.float32)
+  assert groups == (lane_groups(64, 96, jnp.float32, not interpreted) if body == "mosaic" else 1)
+  assert (groups == 4) == (body == "mosaic")
 
 
 # ----------------------------------------------------------------------------- repacking

@@ -46,7 +46,7 @@ from jaxops import pack3d_levels as levels_lib
 from jaxops.pack3d import MASK, check_pack3d_inputs, cube_summaries
 from jaxops.pack3d_layout import cube_layout, group_rows, poison_overflow, ungroup_rows
 from jaxops.tiling import next_pow2
-from pallas_kernels.dispatch import Backend, KernelConfig, dispatch, target_platform
+from pallas_kernels.dispatch import Backend, KernelConfig, dispatch, traced_body
 from pallas_kernels.pack3d_attention import mosaic, mosaic_gpu, triton
 from pallas_kernels.pack3d_attention.blocks import TUNED, BlockSizes
 from pallas_kernels.pack3d_attention.tiles import Tables, TilePlan, lane_groups
@@ -119,12 +119,9 @@ def _backward(backend: Backend, interpret, blocks: BlockSizes, q, k, v, kbar, vb
 
 
 def _lane_groups(cfg: KernelConfig, t: int, width: int, dtype) -> int:
-  """g slots per token-operand row (`tiles.lane_groups`) where the Mosaic body runs (forced,
-  or interpreted, or compiled for a TPU: `dispatch`'s choice), else 1."""
-  platform = target_platform()
-  interpreted = bool(cfg.interpret) or (cfg.interpret is None and platform == "cpu")
-  mosaic = (cfg.backend or ("mosaic" if interpreted or platform == "tpu" else None)) == "mosaic"
-  return lane_groups(t, width, dtype, compiled=not interpreted) if mosaic else 1
+  """g slots per token-operand row (`tiles.lane_groups`) where the Mosaic body runs, else 1."""
+  backend, interpreted = traced_body(cfg, dtype)
+  return lane_groups(t, width, dtype, compiled=not interpreted) if backend == "mosaic" else 1
 
 
 def _to_slots(layout, x, groups: int):
