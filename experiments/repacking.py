@@ -5,7 +5,7 @@ seen in training. Two experiments use it:
   python -m experiments.repacking --config=configs/exp_repacking.py   # positions vs relayout
   python -m experiments.repacking --config=configs/exp_far3d.py       # far context
 
-  [--stages=train,throughput,plot] [--only=axial_rope] [--seeds=0]
+  [--stages=train,throughput,reach,plot] [--only=axial_rope] [--seeds=0]
 
 An arm is a dict of Pack3DAttention options over the config's (a plain string is a
 `position`). With config.experiment.lrs, every arm is swept over those learning rates at the
@@ -17,7 +17,10 @@ evaluation set (training shapes, unseen shapes) and layout, the token metrics of
 branch switched off at inference (the trained weights with merge="local"). The throughput
 stage times one train step per arm side by side (`common.throughput`: arms interleaved,
 config.experiment.throughput_rounds x throughput_steps, after waiting for an idle machine)
-into the json's "throughput" section: an arm's cost per step.
+into the json's "throughput" section: an arm's cost per step. The reach stage (for the
+multi-level experiment) restores every finished run's checkpoint and splits its marker-class
+accuracy by how the marker reaches an object token when levels = 2 (`marker_reach`): through
+a level-1 summary, or only through a level-2 one; stored in the run's row as "reach".
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from flax import nnx
 from experiments import common, geometry_task
 from jaxops import packing
 from models.seg3d import Pack3DSegmenter
-from train import trainer
+from train import inference, trainer
 from train.losses import masked_cross_entropy
 
 NAME = "repacking"
@@ -203,6 +206,55 @@ def throughput_stage(base, arms, results) -> None:
       e.get("throughput_steps", 5)))
 
 
+def marker_reach(batch: dict, block_shape, level_radius: int) -> np.ndarray:
+  """bool [B, N]: True where the token's level-2 cube is within `level_radius` (Chebyshev) of
+  the level-2 cube holding its field's marker, i.e. with levels = 2 the marker's level-1
+  summary is among the token's far summaries; False where only a level-2 summary (the mean of
+  8 cubes, one the marker's) carries it. Level-2 cube = (coords // block) >> 1 per axis."""
+  cube2 = (batch["coords"] // np.asarray(block_shape)) >> 1                      # [B, N, 3]
+  marked = batch["tokens"][..., 1:3].sum(-1) > 0
+  out = np.zeros(batch["field_ids"].shape, bool)
+  for b in range(len(out)):
+    for f in np.unique(batch["field_ids"][b][marked[b]]):
+      field = batch["field_ids"][b] == f
+      marker = cube2[b][marked[b] & field][0]
+      out[b] = np.where(field, np.abs(cube2[b] - marker).max(-1) <= level_radius, out[b])
+  return out
+
+
+def reach_stage(base, arms, results, runs_dir) -> None:
+  """Every finished run of `arms`: marker-class accuracy on object tokens (training shapes,
+  raster layout, the evaluation batches) where the marker is within level-1 reach and where
+  only a level-2 summary carries it (`marker_reach`, r_2 = radius_blocks)."""
+  block = tuple(base.model.attention_options.block_shape)
+  radius = base.model.attention_options.get("radius_blocks", 1)
+  for key, row in sorted(results.runs.items()):
+    if row["arm"] not in arms:
+      continue
+    config = copy.deepcopy(base)
+    workdir = (runs_dir / common.experiment_name(base, NAME)
+               / common.run_label(base, row["arm"], row["lr"]) / f"seed{row['seed']}")
+    model = make_model(config, arm_options(base, row["arm"]), row["seed"])
+    model, _ = inference.restore_params(model, workdir)
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, *a: nnx.merge(graphdef, state)(*a)[:, :, 0])
+    right, near = [], []
+    for i in range(base.experiment.eval_batches):
+      b = make_batch(config, 20_000 + row["seed"], 1, i, config.data.shapes)
+      pred = np.asarray(forward(state, b["tokens"], b["coords"], b["field_ids"])).argmax(-1)
+      objects = (b["mask"] > 0) & (b["labels"] > 0)
+      ok = (pred > 0) & ((pred - 1) // 2 == (b["labels"] - 1) // 2)
+      right.append(ok[objects])
+      near.append(marker_reach(b, block, radius)[objects])
+    right, near = np.concatenate(right), np.concatenate(near)
+    reach = {"level1": float(right[near].mean()), "level2_only": float(right[~near].mean()),
+             "tokens_level1": int(near.sum()), "tokens_level2_only": int((~near).sum())}
+    results.put(key, {**row, "reach": reach})
+    common.log(f"{key}: marker class {reach['level1']:.3f} within level-1 reach "
+               f"({reach['tokens_level1']} tokens), {reach['level2_only']:.3f} beyond "
+               f"({reach['tokens_level2_only']})")
+
+
 def main(argv):
   del argv
   F = flags.FLAGS
@@ -218,6 +270,8 @@ def main(argv):
     train_stage(base, arms, seeds, results, pathlib.Path(F.runs_dir))
   if "throughput" in stages:
     throughput_stage(base, arms, results)
+  if "reach" in stages:
+    reach_stage(base, arms, results, pathlib.Path(F.runs_dir))
   if "plot" in stages:
     plot(results, base, pathlib.Path(F.results_dir) / f"{name}.png")
   results.save()

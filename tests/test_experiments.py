@@ -339,3 +339,25 @@ def test_throughput_interleaves_arms_and_keeps_each_best_round(monkeypatch):
   assert t["arms"]["b"]["tokens_per_s"] == 200.0
   line = report._throughput_line(t, ["b", "a"])
   assert "`b` 500 ms (1.00x), `a` 500 ms (1.00x)" in line
+
+
+@pytest.mark.parametrize("radius", [0, 1])
+def test_marker_reach_is_level2_cube_distance_to_the_marker(radius):
+  """`marker_reach`: a token is within level-1 reach where its level-2 cube (coords // (2
+  block): a level-2 cube is 2 x 2 x 2 level-1 cubes) is within `radius` of the marker's; each
+  field against its own marker (two fields per item)."""
+  from experiments import repacking  # noqa: PLC0415
+  block = (2, 2, 2)
+  b = geometry_task.batch(seed=3, stream=0, index=0, items=2, fields_per_item=2,
+                          shapes=[(16, 16, 16), (12, 8, 16)], block_shape=block,
+                          num_tokens=2 * 4096, marker="cube")
+  reach = repacking.marker_reach(b, block, radius)
+  for i in range(2):
+    for f in range(2):
+      field = (b["field_ids"][i] == f) & (b["mask"][i] > 0)
+      coords = b["coords"][i][field]
+      marker = coords[b["tokens"][i][field][:, 1:3].sum(-1) > 0]
+      assert len(marker) == 8                              # a whole 2^3 cube is the marker
+      expect = np.abs(coords // 4 - marker[0] // 4).max(-1) <= radius
+      np.testing.assert_array_equal(reach[i][field], expect)
+      assert expect.any() and not expect.all()

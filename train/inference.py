@@ -93,18 +93,26 @@ def load(workdir: str | pathlib.Path, step: int | None = None, *,
   """load_model, plus the step of the checkpoint it read."""
   workdir = pathlib.Path(workdir)
   config = inference_config(load_config(workdir) if config is None else config)
-  directory = workdir / "checkpoints"
+  model, step = restore_params(task_module(config).make_model(config), workdir, step)
+  return model, config, step
+
+
+def restore_params(model: nnx.Module, workdir: str | pathlib.Path,
+                   step: int | None = None) -> tuple[nnx.Module, int]:
+  """-> (model, step): `model` (built like the run's: a model the trainer's tasks do not
+  build, e.g. an experiment's) with the parameters of checkpoint `step` of the run in
+  `workdir` (None: the newest that restores), and the step read."""
+  directory = pathlib.Path(workdir) / "checkpoints"
   if not directory.is_dir():
     raise UsageError(f"--workdir={workdir}: no checkpoints/ in it; expected the workdir of a "
                      "training run that saved at least one checkpoint")
-  model = task_module(config).make_model(config)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   reader = checkpoints_lib.Checkpoints(directory, read_only=True)
   try:
     step, params = reader.restore_params(params, step=step)
   finally:
     reader.close()
-  return nnx.merge(graphdef, params, rest), config, step
+  return nnx.merge(graphdef, params, rest), step
 
 
 def evaluate(model: nnx.Module, config) -> dict[str, float]:
