@@ -304,6 +304,8 @@ def repacking(d) -> str:
   out.append("Near / far decomposition (object tokens: marker class right = far; surface flag "
              "right = near)\n\n" + _table(["arm", "shapes", "layout", "all tokens", "objects",
                                            "far (marker class)", "near (surface)"], rows))
+  if any(r.get("reach") for rs in arms.values() for r in rs):
+    out.append(_reach_table(arms))
   # the far branch's worth (each arm minus local-only) and the default's (each minus axial
   # RoPE), same seed
   for base in ("local_only", "axial_rope"):
@@ -333,6 +335,29 @@ def repacking(d) -> str:
   if "throughput" in d:
     out.append(_throughput_line(d["throughput"], order))
   return "\n\n".join(out)
+
+
+def _reach_table(arms: dict) -> str:
+  """The far part of each arm: the marker class with the far branch on and off (training
+  shapes, raster layout), and (the reach stage) split by how the marker reaches the token."""
+  rows = []
+  for a, rs in arms.items():
+    far = lambda r: r["eval"]["train_shapes"]["raster_zyx"]["acc_far_marker"]
+    off = [r["far_off"]["train_shapes"]["raster_zyx"]["acc_far_marker"]
+           for r in rs if r.get("far_off")]
+    reach = [r["reach"] for r in rs if r.get("reach")]
+    rows.append([f"`{a}`", fmt(stats([far(r) for r in rs]), 3),
+                 fmt(stats(off), 3) if off else "n/a",
+                 fmt(stats([x["level1"] for x in reach]), 3) if reach else "n/a",
+                 fmt(stats([x["level2_only"] for x in reach]), 3) if reach else "n/a",
+                 f"{reach[0]['tokens_level1']} / {reach[0]['tokens_level2_only']}" if reach
+                 else "n/a", ", ".join(str(r["seed"]) for r in rs if r.get("reach")) or "-"])
+  return ("The far part (marker class of object tokens; training shapes, raster_zyx): with "
+          "the far branch switched off at inference, and split by how the marker reaches the "
+          "token with levels = 2 (`--stages=reach`: through a level-1 summary, its level-2 "
+          "cube within r_2 of the marker's, or only through a level-2 summary)\n\n"
+          + _table(["arm", "far", "far branch off", "within level-1 reach",
+                    "level-2 summary only", "tokens (seed 0)", "seeds split"], rows))
 
 
 def _throughput_line(t: dict, order) -> str:

@@ -361,3 +361,25 @@ def test_marker_reach_is_level2_cube_distance_to_the_marker(radius):
       expect = np.abs(coords // 4 - marker[0] // 4).max(-1) <= radius
       np.testing.assert_array_equal(reach[i][field], expect)
       assert expect.any() and not expect.all()
+
+
+def test_levels_report_splits_the_far_part_by_reach():
+  """Rows with a reach split get the far-part table: marker class on, off, and per reach."""
+  from experiments import report  # noqa: PLC0415
+  layouts = ("raster_zyx", "raster_xyz", "morton", "hilbert", "cube_major", "shuffled_fields")
+
+  def run(arm, seed, far, off, near, beyond):
+    metrics = {"acc_objects": far, "acc_tokens": far, "acc_far_marker": far,
+               "acc_near_surface": 1.0, "max_logit_change": 0.0}
+    ev = {name: {l: metrics for l in layouts} for name in ("train_shapes", "unseen_shapes")}
+    off_ev = {name: {l: {**metrics, "acc_far_marker": off} for l in layouts} for name in ev}
+    return {"arm": arm, "lr": 2e-3, "seed": seed, "params": 10, "wall_s": 60.0,
+            "steps_per_s": 0.5, "eval": ev, "far_off": off_ev, "acc_objects_train_layout": far,
+            "reach": {"level1": near, "level2_only": beyond, "tokens_level1": 3,
+                      "tokens_level2_only": 7}}
+
+  runs = [run("axial_rope", 0, 1.0, 0.5, 1.0, 1.0), run("levels2", 0, 0.4, 0.6, 0.3, 0.4),
+          run("levels2", 1, 0.6, 0.4, 0.5, 0.6)]
+  d = {"meta": {"lrs": [2e-3]}, "runs": {f"{r['arm']}/seed{r['seed']}": r for r in runs}}
+  text = report.repacking(d)
+  assert "| `levels2` | 0.500 ± 0.141 | 0.500 ± 0.141 | 0.400 ± 0.141 | 0.500 ± 0.141 | 3 / 7 | 0, 1 |" in text
