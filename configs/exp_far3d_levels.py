@@ -3,6 +3,7 @@ paper's single level where the marker lies beyond a query's level-2 neighbourhoo
 
   python -m experiments.repacking --config=configs/exp_far3d_levels.py
   python -m experiments.repacking --config=configs/exp_far3d_levels.py:sweep --seeds=0
+  python -m experiments.repacking --config=configs/exp_far3d_levels.py:long --seeds=0
 
 The task of configs/exp_far3d.py (an object's class is decided by a cube-sized marker two or
 more cubes away, its surface flag by the exact local neighbourhood) on one 16^3 field per
@@ -17,14 +18,18 @@ coordinates are traced, so the two-level arm bounds its top level by `max_top_cu
 (the largest field here has 5 x 4 x 4 = 80 level-2 cubes), not by the 1024 level-1 slots.
 The `sweep` variant (its own results file, far3d_levels_sweep) runs `levels2` at the two
 other learning rates of configs/exp_far3d.py's sweep, 1e-3 and 4e-3: is 2e-3 what holds it back?
+The `long` variant (far3d_levels_long) trains `levels2` three times as long (1200 steps, the
+cosine decay over 1200 steps after the same 40 warm-up steps): does it learn the far part
+later, or not at all?
 """
 
 from configs import exp_far3d
 
 
 def get_config(variant: str = "main"):
-  if variant not in ("main", "sweep"):
-    raise ValueError(f"exp_far3d_levels: variant must be 'main' or 'sweep', got {variant!r}")
+  if variant not in ("main", "sweep", "long"):
+    raise ValueError(f"exp_far3d_levels: variant must be 'main', 'sweep' or 'long', got "
+                     f"{variant!r}")
   c = exp_far3d.get_config()
   c.batch_size = 2
   c.data.update({"shapes": [(16, 16, 16)], "fields_per_item": 1, "num_tokens": 4096,
@@ -41,4 +46,7 @@ def get_config(variant: str = "main"):
   if variant == "sweep":
     c.experiment.update({"name": "far3d_levels_sweep", "lrs": (1e-3, 4e-3),
                          "order": ("levels2",)})
+  if variant == "long":
+    c.steps = 3 * c.steps
+    c.experiment.update({"name": "far3d_levels_long", "order": ("levels2",)})
   return c

@@ -457,7 +457,7 @@ def main(argv) -> None:
                    ("frac_memory_diag", frac_memory),
                    ("frac_memory", frac_memory), ("frac_extrapolate", frac_extrapolate),
                    ("repacking", repacking), ("far3d", repacking), ("far3d_levels", repacking),
-                   ("far3d_levels_sweep", repacking),
+                   ("far3d_levels_sweep", repacking), ("far3d_levels_long", repacking),
                    ("seg3d_cpu", seg3d)):
     d = _load(directory, name)
     if d is None:
