@@ -63,8 +63,9 @@ class Pack3DAttention(nnx.Module):
       block: exact, but near-linear only on the XLA path); one far offset per head shared by
       the levels. Why levels = 1 is the default: a level-k summary averages 8^(k-1) cubes, so
       one distant cube's feature is diluted 8^(k-1)-fold there, and on the far-context task
-      levels = 2 did not learn what one level learns in 400 steps (DESIGN.md section 3.1):
-      use levels >= 2 where one level's N^2 / prod(block_shape) far term does not fit.
+      levels = 2 did not learn in 400 steps what one level learned on 2 of 3 seeds (DESIGN.md
+      section 3.1): use levels >= 2 where one level's N^2 / prod(block_shape) far term does
+      not fit.
     max_top_cubes: with levels >= 2 and traced coords, the top level's cube slots (see
       `jaxops.pack3d.pack3d_attention`; None: max_cubes, exact for any layout but quadratic
       in the top level). Set it from your grids to keep the far field near-linear.
