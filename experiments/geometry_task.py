@@ -130,6 +130,12 @@ def relayout(batch: dict, layout: str, *, block_shape, seed: int = 0) -> tuple[d
   return {k: np.stack([v[b][p] for b, p in enumerate(perms)]) for k, v in batch.items()}, perms
 
 
+def marker_class_right(pred: np.ndarray, labels: np.ndarray) -> np.ndarray:
+  """bool: the prediction is an object label with the marker class m of `labels` (object
+  labels 1 + 2 m + s): the far part of a token's label."""
+  return (pred > 0) & ((pred - 1) // 2 == (labels - 1) // 2)
+
+
 def token_metrics(pred: np.ndarray, labels: np.ndarray, mask: np.ndarray) -> dict:
   """Accuracy on real tokens, on object tokens (exact label), and on object tokens split
   into the far part (marker class m right) and the near part (surface flag s right)."""
@@ -138,7 +144,7 @@ def token_metrics(pred: np.ndarray, labels: np.ndarray, mask: np.ndarray) -> dic
   pred_obj = pred[objects]
   lab_obj = labels[objects]
   is_obj = pred_obj > 0
-  m_ok = is_obj & ((pred_obj - 1) // 2 == (lab_obj - 1) // 2)
+  m_ok = marker_class_right(pred_obj, lab_obj)
   s_ok = is_obj & ((pred_obj - 1) % 2 == (lab_obj - 1) % 2)
   return {"acc_tokens": float((pred[real] == labels[real]).mean()),
           "acc_objects": float((pred_obj == lab_obj).mean()),

@@ -75,25 +75,34 @@ def make_batch(config, seed: int, stream: int, index: int, shapes) -> dict:
                              num_tokens=d.num_tokens, marker=d.get("marker", "token"))
 
 
-def evaluate(model, config, seed: int) -> dict:
-  """{eval set: {layout: metrics + max |logit change| vs raster_zyx}}."""
+def eval_batches(config, seed: int, shapes) -> list[dict]:
+  """The evaluation batches of a run (their own stream, fields drawn from `shapes`)."""
+  return [make_batch(config, 20_000 + seed, 1, i, shapes)
+          for i in range(config.experiment.eval_batches)]
+
+
+def logits_fn(model):
+  """batch -> the model's logits [B, N, classes] as numpy (one jitted forward)."""
   graphdef, state = nnx.split(model)
   forward = jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args)[:, :, 0])
-  _logits = lambda _, state, *args: forward(state, *args)
+  return lambda b: np.asarray(forward(state, b["tokens"], b["coords"], b["field_ids"]))
+
+
+def evaluate(model, config, seed: int) -> dict:
+  """{eval set: {layout: metrics + max |logit change| vs raster_zyx}}."""
+  logits = logits_fn(model)
   block = tuple(config.model.attention_options.block_shape)
   sets = {"train_shapes": config.data.shapes, "unseen_shapes": config.data.eval_shapes}
   out = {}
   for name, shapes in sets.items():
-    batches = [make_batch(config, 20_000 + seed, 1, i, shapes)
-               for i in range(config.experiment.eval_batches)]
-    base = [np.asarray(_logits(graphdef, state, b["tokens"], b["coords"], b["field_ids"]))
-            for b in batches]
+    batches = eval_batches(config, seed, shapes)
+    base = [logits(b) for b in batches]
     rows = {}
     for layout in packing.LAYOUTS:
       preds, labels, masks, diff = [], [], [], 0.0
       for b, ref in zip(batches, base):
         nb, perms = geometry_task.relayout(b, layout, block_shape=block, seed=seed)
-        lg = np.asarray(_logits(graphdef, state, nb["tokens"], nb["coords"], nb["field_ids"]))
+        lg = logits(nb)
         ref_perm = np.stack([ref[i][p] for i, p in enumerate(perms)])
         real = nb["mask"] > 0
         diff = max(diff, float(np.abs(lg - ref_perm)[real].max()))
@@ -231,20 +240,14 @@ def reach_stage(base, arms, results, runs_dir) -> None:
   for key, row in sorted(results.runs.items()):
     if row["arm"] not in arms:
       continue
-    config = copy.deepcopy(base)
     workdir = (runs_dir / common.experiment_name(base, NAME)
                / common.run_label(base, row["arm"], row["lr"]) / f"seed{row['seed']}")
-    model = make_model(config, arm_options(base, row["arm"]), row["seed"])
-    model, _ = inference.restore_params(model, workdir)
-    graphdef, state = nnx.split(model)
-    forward = jax.jit(lambda state, *a: nnx.merge(graphdef, state)(*a)[:, :, 0])
+    model = make_model(base, arm_options(base, row["arm"]), row["seed"])
+    logits = logits_fn(inference.restore_params(model, workdir)[0])
     right, near = [], []
-    for i in range(base.experiment.eval_batches):
-      b = make_batch(config, 20_000 + row["seed"], 1, i, config.data.shapes)
-      pred = np.asarray(forward(state, b["tokens"], b["coords"], b["field_ids"])).argmax(-1)
+    for b in eval_batches(base, row["seed"], base.data.shapes):
       objects = (b["mask"] > 0) & (b["labels"] > 0)
-      ok = (pred > 0) & ((pred - 1) // 2 == (b["labels"] - 1) // 2)
-      right.append(ok[objects])
+      right.append(geometry_task.marker_class_right(logits(b).argmax(-1), b["labels"])[objects])
       near.append(marker_reach(b, block, radius)[objects])
     right, near = np.concatenate(right), np.concatenate(near)
     reach = {"level1": float(right[near].mean()), "level2_only": float(right[~near].mean()),
