@@ -231,7 +231,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                      radius_blocks: int = 1, block_bias: bool = True, gates=None,
                      summary_rope=None, far_offset=None, max_cubes: int | None = None,
                      chunk: int = 16, levels: int = 1, level_radius=None,
-                     max_top_cubes: int | None = None):
+                     max_top_cubes: int | None = None, level_key_gain: float = 1.0):
   """Fast XLA path of Pack3D attention; same arguments and result as the reference.
 
   Args (beyond the reference's):
@@ -251,11 +251,15 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
       level's box volume (one 64 x 128 x 128 field, 4^3 cubes, levels = 3: 4 x 8 x 8 = 256
       plus a margin for boxes that straddle) makes the far field near-linear; an entry that
       needs more gets NaN outputs, as for max_cubes.
+    level_key_gain: g, with levels >= 2: a level-k summary's logit is
+      g^(k-1) q . kbar_b / sqrt(D) + log(n_b) + beta. 1 keeps the counting argument exact;
+      8 undoes the 1/8^(k-1) dilution of a feature that fills one level-1 cube (DESIGN.md 3.1).
   Returns:
     o [B, N, H, D] in q.dtype (matmuls in the input dtype, float32 accumulation).
   """
   radii = levels_lib.level_radii(radius_blocks, levels, level_radius)
-  levels_lib.check_level_options(levels, max_top_cubes, gates=gates, summary_rope=summary_rope)
+  levels_lib.check_level_options(levels, max_top_cubes, level_key_gain, gates=gates,
+                                 summary_rope=summary_rope)
   if levels > 1:
     beta = levels_lib.offsets_per_level(far_offset, levels, q.shape[2])
     far_offset = None if beta is None else beta[0]     # the [H] form, for the input checks
@@ -282,7 +286,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
 
   if levels > 1:
     return _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias, beta,
-                       max_top_cubes)
+                       max_top_cubes, level_key_gain)
   count = layout.count
   bias = jnp.where(count > 0, jnp.log(jnp.maximum(count, 1.0)) if block_bias else 0.0, MASK)
   o_c = jax.vmap(one_entry)(q_c, k_c, v_c, layout.key_valid(), kbar, vbar, layout.keys, bias,
@@ -291,7 +295,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
 
 
 def _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias, beta,
-                max_top_cubes):
+                max_top_cubes, key_gain):
   """The XLA path with levels >= 2: the single level's local part, then for each level k < L
   the summaries of Far_k read from the 8 (2 r_{k+1} + 1)^3 children of the query cube's
   level-(k+1) neighbourhood (`pack3d_levels.candidates`), and the top level's summaries of
@@ -301,7 +305,7 @@ def _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias,
   log_n = lambda n: jnp.log(jnp.maximum(n, 1.0)) if block_bias else jnp.zeros_like(n)
 
   def one_entry(q_c, k_c, v_c, key_valid, kbar, vbar, keys, count, neighbours, num_nb):
-    per_level = levels_lib.level_structure(keys, count, kbar, vbar, levels)
+    per_level = levels_lib.level_structure(keys, count, kbar, vbar, levels, key_gain)
     keys_t, count_t, kbar_t, vbar_t = (x[:top] for x in per_level[-1][:4])
 
     def step(ids):

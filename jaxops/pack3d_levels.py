@@ -10,7 +10,9 @@ level-1 neighbourhood (radius r_1, exact tokens), to the level-k cubes b with
 where d_k is the Chebyshev distance of level-k indices and parent(b) = b >> 1. With
 r_{k+1} >= ceil(r_k / 2) every key token is counted exactly once over Loc and Far_1..Far_L
 (the counting argument is in the design document). Summaries are token means (the
-count-weighted mean of the children's means), logits get log(n_b) and the level's offset.
+count-weighted mean of the children's means), logits get log(n_b) and the level's offset; a
+level-k summary's key is scaled by g^(k-1) (`level_key_gain` g; 1 keeps the counting argument
+exact, 8 gives a feature that fills one level-1 cube its level-1 logit).
 
 Slots: the level-k cubes of a field take the z-major slots of the field's level-k bounding
 box, after the fields before it (as level 1 does in `pack3d_layout`). A field's level-k box
@@ -58,13 +60,21 @@ def level_radii(radius_blocks: int, levels: int, level_radius=None) -> tuple[int
   return radii
 
 
-def check_level_options(levels: int, max_top_cubes, **single_level) -> None:
+def check_level_options(levels: int, max_top_cubes, level_key_gain: float = 1.0,
+                        **single_level) -> None:
   """One-line ValueErrors shared by the XLA path and the kernels: `max_top_cubes` (a positive
-  int) only with levels >= 2, the single-level options given (not None) only with levels = 1."""
+  int) and a `level_key_gain` other than 1 (a finite float > 0) only with levels >= 2, the
+  single-level options given (not None) only with levels = 1."""
+  if not (isinstance(level_key_gain, (int, float)) and 0 < level_key_gain < math.inf):
+    raise ValueError("pack3d_attention: `level_key_gain` must be a finite number > 0, got "
+                     f"{level_key_gain!r}")
   if levels == 1:
     if max_top_cubes is not None:
       raise ValueError("pack3d_attention: `max_top_cubes` is a multi-level option (levels >= 2)"
                        f"; got max_top_cubes={max_top_cubes} with levels=1")
+    if level_key_gain != 1:
+      raise ValueError("pack3d_attention: `level_key_gain` is a multi-level option (levels >= "
+                       f"2); got level_key_gain={level_key_gain} with levels=1")
     return
   for name, value in single_level.items():
     if value is not None:
@@ -151,14 +161,15 @@ def candidates(query_keys, box, level: int, radius: int, radius_up: int):
   return slots, inside & (cube_distance(cube, own[:, None]) > radius)
 
 
-def level_structure(keys, count, kbar, vbar, levels: int):
+def level_structure(keys, count, kbar, vbar, levels: int, key_gain: float = 1.0):
   """One batch entry's cubes of every level, for `candidates` (levels below the top) and the
   top level's masks. Returns a list over k = 1..L of (keys_k [C, 4], count_k [C],
-  kbar_k, vbar_k [C, H, D], box_k); level 1 is the layout's own cubes."""
+  kbar_k, vbar_k [C, H, D], box_k); level 1 is the layout's own cubes. kbar_k is the token
+  mean of the level-k cube's keys times key_gain^(k-1) (DESIGN.md 3.1, `level_key_gain`)."""
   out = [(keys, count, kbar, vbar, _box(keys, count, 1))]
   for k in range(2, levels + 1):
     keys_k, count_k, (kbar_k, vbar_k), box = _level_cubes(keys, count, (kbar, vbar), k)
-    out.append((keys_k, count_k, kbar_k, vbar_k, box))
+    out.append((keys_k, count_k, kbar_k * key_gain ** (k - 1), vbar_k, box))
   return out
 
 

@@ -69,6 +69,11 @@ class Pack3DAttention(nnx.Module):
     max_top_cubes: with levels >= 2 and traced coords, the top level's cube slots (see
       `jaxops.pack3d.pack3d_attention`; None: max_cubes, exact for any layout but quadratic
       in the top level). Set it from your grids to keep the far field near-linear.
+    level_key_gain: g, with levels >= 2: level-k summary keys are scaled by g^(k-1), so their
+      logits are g^(k-1) q . kbar_b / sqrt(D) + log(n_b) (DESIGN.md section 3.1). 1 keeps the
+      counting argument exact (a cube of identical keys counts as its n_b tokens at every
+      level); 8 gives a feature that fills one level-1 cube the logit it has in its own
+      level-1 summary, undoing the 8^(k-1)-fold dilution.
     dtype: compute dtype (params are cast to it); None uses the input's dtype.
   """
 
@@ -78,7 +83,7 @@ class Pack3DAttention(nnx.Module):
                merge: str = "joint", rotate_summaries: str = "before", rope_theta: float = 10000.0,
                spacing: Sequence[float] = (1.0, 1.0, 1.0), max_cubes: int | None = None,
                far_offset: bool = False, levels: int = 1, level_radius=None,
-               max_top_cubes: int | None = None, dtype=None,
+               max_top_cubes: int | None = None, level_key_gain: float = 1.0, dtype=None,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     owner = "Pack3DAttention"
     checks.ints(owner, dict(d_model=d_model, num_heads=num_heads,
@@ -115,11 +120,10 @@ class Pack3DAttention(nnx.Module):
     self.op_kwargs = dict(block_shape=tuple(block_shape), radius_blocks=radius_blocks,
                           block_bias=block_bias,
                           summary_rope=self.rope if rotate_summaries == "after" else None)
+    levels_lib.check_level_options(levels, max_top_cubes, level_key_gain)
     if levels > 1:
-      self.op_kwargs.update(levels=levels, level_radius=level_radius, max_top_cubes=max_top_cubes)
-    elif max_top_cubes is not None:
-      raise ValueError(f"Pack3DAttention: `max_top_cubes` is a multi-level option (levels >= 2);"
-                       f" got max_top_cubes={max_top_cubes} with levels=1")
+      self.op_kwargs.update(levels=levels, level_radius=level_radius, max_top_cubes=max_top_cubes,
+                            level_key_gain=level_key_gain)
     self.max_cubes, self.dtype = max_cubes, dtype
     xavier = jax.nn.initializers.xavier_uniform()
     # logical axes (models.partitioning): w_qkv [d, 3, H d_h] holds q, k, v, head-major

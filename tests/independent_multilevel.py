@@ -112,17 +112,19 @@ def _far_offset_rows(far_offset, levels: int, heads: int):
 
 def multilevel_attention_reference(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                                    radius_blocks=1, levels=1, level_radius=None,
-                                   far_offset=None, block_bias=True, rope=None):
+                                   far_offset=None, block_bias=True, rope=None,
+                                   level_key_gain=1.0):
   """Multi-level Pack3D attention (DESIGN.md section 3.1), one query token at a time, float64.
 
   q, k [B, N, H, D]; v [B, N, H, Dv] (Dv = D for the ops; any width here); coords int
   [B, N, 3]; field_ids int [B, N]. rope=None: q, k are already rotated (the ops' contract);
   rope=(theta, spacing): they are not, and are rotated per token by axial RoPE first (so the
   summaries average rotated keys). far_offset: beta, [H] or [L, H] (None: 0).
+  level_key_gain: g, the factor g^(k-1) on a level-k summary's key.
   Returns o [B, N, H, Dv].
 
-    s_ij = q_i . k_j / sqrt(D)                               j in Loc(i)
-    s_ib = q_i . kbar_b / sqrt(D) + log(n_b) + beta_{k,h}    b in Far_k(i), k = 1..L
+    s_ij = q_i . k_j / sqrt(D)                                       j in Loc(i)
+    s_ib = g^(k-1) q_i . kbar_b / sqrt(D) + log(n_b) + beta_{k,h}    b in Far_k(i), k = 1..L
     o_i  = softmax over all of them of [v_j ; vbar_b]
   """
   q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
@@ -147,7 +149,8 @@ def multilevel_attention_reference(q, k, v, coords, field_ids, *, block_shape=(4
           n_b = len(members)
           kbar = k[bi, members].mean(axis=0)  # [H, D]
           vbar = v[bi, members].mean(axis=0)
-          logit = np.einsum("hd,hd->h", q[bi, i], kbar) / math.sqrt(d)
+          gain = level_key_gain ** (level - 1)
+          logit = gain * np.einsum("hd,hd->h", q[bi, i], kbar) / math.sqrt(d)
           if block_bias:
             logit = logit + math.log(n_b)
           logits.append(logit + beta[level - 1])

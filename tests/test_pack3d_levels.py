@@ -43,13 +43,14 @@ RNG = np.random.default_rng(0)
 Q, K, V = (RNG.standard_normal((1, N, H, D)) for _ in range(3))
 BETA = np.array([[0.6, -1.1], [-0.3, 0.9], [1.4, 0.2]])  # [L = 3, H]
 
-CASES = {  # name: (levels, radius_blocks, level_radius, beta)
-    "L1": (1, 1, None, None),
-    "L2_r1": (2, 1, None, None),
-    "L3_r1": (3, 1, None, "h"),
-    "L3_r0": (3, 0, None, "lh"),
-    "L3_r2_1": (3, 2, 1, None),
-    "L3_r1_2_1": (3, 1, (2, 1), "lh"),
+CASES = {  # name: (levels, radius_blocks, level_radius, beta, level_key_gain)
+    "L1": (1, 1, None, None, 1.0),
+    "L2_r1": (2, 1, None, None, 1.0),
+    "L2_r1_g8": (2, 1, None, "h", 8.0),
+    "L3_r1": (3, 1, None, "h", 1.0),
+    "L3_r0": (3, 0, None, "lh", 1.0),
+    "L3_r2_1": (3, 2, 1, None, 2.5),
+    "L3_r1_2_1": (3, 1, (2, 1), "lh", 2.0),
 }
 
 
@@ -57,30 +58,32 @@ def _beta(kind, levels):
   return {None: None, "h": BETA[0], "lh": BETA[:levels]}[kind]
 
 
-def _xla(q, k, v, beta, levels, radius_blocks, level_radius):
+def _xla(q, k, v, beta, levels, radius_blocks, level_radius, gain=1.0):
   return ops.pack3d_attention(q, k, v, COORDS, FIELDS, block_shape=BLOCK,
                               radius_blocks=radius_blocks, levels=levels,
-                              level_radius=level_radius, far_offset=beta, chunk=3)
+                              level_radius=level_radius, far_offset=beta, chunk=3,
+                              level_key_gain=gain)
 
 
-def _reference(q, k, v, beta, levels, radius_blocks, level_radius):
+def _reference(q, k, v, beta, levels, radius_blocks, level_radius, gain=1.0):
   return iml.multilevel_attention_reference(q, k, v, COORDS, FIELDS, block_shape=BLOCK,
                                             radius_blocks=radius_blocks, levels=levels,
-                                            level_radius=level_radius, far_offset=beta)
+                                            level_radius=level_radius, far_offset=beta,
+                                            level_key_gain=gain)
 
 
 @pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)],
                          ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_xla_path_matches_the_independent_reference(case, dtype, rtol):
-  levels, radius, level_radius, beta = CASES[case]
+  levels, radius, level_radius, beta, gain = CASES[case]
   beta = _beta(beta, levels)
   args = [ic.cast(a, dtype) for a in (Q, K, V)]
   out = _xla(*args, None if beta is None else jnp.asarray(beta, jnp.float32), levels, radius,
-             level_radius)
+             level_radius, gain)
   assert out.dtype == dtype
   expected = _reference(*(ic.rounded(a, dtype) for a in (Q, K, V)), beta, levels, radius,
-                        level_radius)
+                        level_radius, gain)
   ic.check(out, expected, rtol=rtol, name=case)
 
 
@@ -95,19 +98,20 @@ def test_levels_change_the_result():
 
 def test_gradients_match_the_reference_directional_derivatives():
   """<dL/dX, dX> for q, k, v and the [L, H] far offset (L = sum(W * o)) against the central
-  difference of the float64 reference along the same random direction."""
-  levels, radius, level_radius = 3, 1, (2, 1)
+  difference of the float64 reference along the same random direction (key gain 2: the
+  gradient through the scaled level-2 and level-3 keys)."""
+  levels, radius, level_radius, gain = 3, 1, (2, 1), 2.0
   rng = np.random.default_rng(3)
   weight = rng.standard_normal((1, N, H, D))
   inputs = (Q, K, V, BETA)
   directions = [rng.standard_normal(a.shape) for a in inputs]
   loss = lambda q, k, v, b: jnp.sum(jnp.asarray(weight, jnp.float32)
-                                    * _xla(q, k, v, b, levels, radius, level_radius))
+                                    * _xla(q, k, v, b, levels, radius, level_radius, gain))
   grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*(jnp.asarray(a, jnp.float32) for a in inputs))
   eps, derivs = 1e-4, []
   for i, d in enumerate(directions):
     shifted = lambda s: [a + s * eps * d if j == i else a for j, a in enumerate(inputs)]
-    plus, minus = (np.sum(weight * _reference(*shifted(s), levels, radius, level_radius))
+    plus, minus = (np.sum(weight * _reference(*shifted(s), levels, radius, level_radius, gain))
                    for s in (1, -1))
     derivs.append((plus - minus) / (2 * eps))
   ic.check_directional(grads, derivs, directions, rtol=1e-4, name="qkvb")
@@ -128,6 +132,8 @@ def test_one_level_is_the_single_level_op():
     ({"levels": 2, "summary_rope": {"theta": 100.0}}, "single-level options"),
     ({"max_top_cubes": 4}, "`max_top_cubes` is a multi-level option"),
     ({"levels": 2, "max_top_cubes": 0}, "max_top_cubes"),
+    ({"level_key_gain": 8.0}, "`level_key_gain` is a multi-level option"),
+    ({"levels": 2, "level_key_gain": 0.0}, "`level_key_gain` must be a finite number > 0"),
 ])
 def test_bad_level_options_are_one_line_errors(options, match):
   args = [jnp.asarray(a, jnp.float32) for a in (Q, K, V)]
@@ -136,19 +142,20 @@ def test_bad_level_options_are_one_line_errors(options, match):
 
 
 def test_layer_with_levels_is_its_formula():
-  """Pack3DAttention(levels=3): x W_qkv -> axial RoPE on the coordinates -> the multi-level op
-  -> W_out; `impl="auto"` resolves to the XLA path where kernels do not compile (CPU)."""
+  """Pack3DAttention(levels=3, level_key_gain=8): x W_qkv -> axial RoPE on the coordinates ->
+  the multi-level op -> W_out; `impl="auto"` resolves to the XLA path where kernels do not
+  compile (CPU)."""
   from flax import nnx
   from jaxops import rope
   from models import Pack3DAttention
   layer = Pack3DAttention(12, H, block_shape=BLOCK, levels=3, level_radius=(2, 1),
-                          rngs=nnx.Rngs(0))
+                          level_key_gain=8.0, rngs=nnx.Rngs(0))
   assert layer.impl == "xla"
   x = jnp.asarray(np.random.default_rng(1).standard_normal((1, N, 12)), jnp.float32)
   qkv = (x @ layer.w_qkv[...].reshape(12, -1)).reshape(1, N, 3, H, 6)
   q, k = (rope.axial_rope_3d(t, COORDS) for t in (qkv[:, :, 0], qkv[:, :, 1]))
   o = ops.pack3d_attention(q, k, qkv[:, :, 2], COORDS, FIELDS, block_shape=BLOCK, levels=3,
-                           level_radius=(2, 1))
+                           level_radius=(2, 1), level_key_gain=8.0)
   expected = o.reshape(1, N, 12) @ layer.w_out[...]
   np.testing.assert_allclose(layer(x, COORDS, FIELDS), expected, rtol=1e-5, atol=1e-6)
 

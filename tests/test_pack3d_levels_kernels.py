@@ -31,7 +31,8 @@ from tests.test_flash_ffn import mosaic_gpu_interpreter, needs_mosaic_gpu
 F32, BF16 = jnp.float32, jnp.bfloat16
 COORDS, FIELDS, BLOCK = xla_cases.COORDS, xla_cases.FIELDS, xla_cases.BLOCK
 H, D, N = xla_cases.H, xla_cases.D, xla_cases.N
-# name: (levels, radius_blocks, level_radius, far offset: None, "h" [H] or "lh" [L, H])
+# name: (levels, radius_blocks, level_radius, far offset: None, "h" [H] or "lh" [L, H],
+#        level_key_gain)
 CASES = {name: case for name, case in xla_cases.CASES.items() if case[0] > 1}
 
 
@@ -52,20 +53,21 @@ GRAD_TOL = {F32: 1e-5, BF16: 1e-2}
 
 
 def _op(body: str, case: str, coords=COORDS, fields=FIELDS, block=BLOCK, **options):
-  levels, radius, level_radius, _ = CASES[case]
+  levels, radius, level_radius, _, gain = CASES[case]
   interpret = mosaic_gpu_interpreter() if body == "mosaic_gpu" else True
   return functools.partial(kernel.pack3d_attention, coords=coords, field_ids=fields,
                            block_shape=block, radius_blocks=radius, levels=levels,
-                           level_radius=level_radius, backend=body, interpret=interpret,
+                           level_radius=level_radius, level_key_gain=gain, backend=body,
+                           interpret=interpret,
                            **BODIES.get(body, {}), **options)
 
 
 def _reference(case: str, coords=COORDS, fields=FIELDS, block=BLOCK):
   """The float64 reference of `case` as a function of (q, k, v[, beta])."""
-  levels, radius, level_radius, _ = CASES[case]
+  levels, radius, level_radius, _, gain = CASES[case]
   return lambda q, k, v, *beta: iml.multilevel_attention_reference(
       q, k, v, coords, fields, block_shape=block, radius_blocks=radius, levels=levels,
-      level_radius=level_radius, far_offset=beta[0] if beta else None)
+      level_radius=level_radius, far_offset=beta[0] if beta else None, level_key_gain=gain)
 
 
 def check_case(op, reference, qkv, beta, dtype):
@@ -152,6 +154,7 @@ def test_traced_coordinates_with_max_top_cubes():
     ({"levels": 2, "summary_rope": {"theta": 100.0}}, "`summary_rope` is a single-level"),
     ({"max_top_cubes": 4}, "`max_top_cubes` is a multi-level option"),
     ({"levels": 2, "max_top_cubes": 0}, "max_top_cubes"),
+    ({"level_key_gain": 8.0}, "`level_key_gain` is a multi-level option"),
     ({"levels": 3, "radius_blocks": 4, "level_radius": 1}, "level-2 radius 1 is below"),
 ])
 def test_bad_level_options_are_one_line_errors(options, match):

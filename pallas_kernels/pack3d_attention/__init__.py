@@ -159,10 +159,11 @@ def _attend_bwd(cfg, options, residuals, do):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def _level_summaries(layout, kbar, vbar, rows, levels: int, max_top_cubes):
+def _level_summaries(layout, kbar, vbar, rows, levels: int, max_top_cubes, key_gain: float):
   """Every level's summaries as the kernels' far stream: level 1's C cubes (kbar, vbar
   [B, C, H*D] float32, rows = `layout.cube_rows()` [B, 8, C]) followed by those of levels
-  2..L, count-weighted means of level 1's (`pack3d_levels.level_structure`), each in its
+  2..L, count-weighted means of level 1's, level k's keys times key_gain^(k-1)
+  (`pack3d_levels.level_structure`), each in its
   `pack3d_levels.level_slots` (exact for concrete coords; for traced ones bounded by
   max_top_cubes, so that a 1M-token grid's levels add ~1/7 of level 1's summaries, not C
   per level). Row 5 of the table is each summary's level k, rows 1..3 its level-k cube
@@ -172,7 +173,7 @@ def _level_summaries(layout, kbar, vbar, rows, levels: int, max_top_cubes):
   level's slots (an entry needing more gets NaN: `pack3d_levels.poison_top_overflow`)."""
   keys, count = layout.keys, layout.count
   # [B, C, 1, H*D]: pack3d_levels' [C, H, D] summaries with the heads kept on the lanes
-  per_level = jax.vmap(lambda *a: levels_lib.level_structure(*a, levels))(
+  per_level = jax.vmap(lambda *a: levels_lib.level_structure(*a, levels, key_gain))(
       keys, count, kbar[:, :, None], vbar[:, :, None])
   tagged = lambda r, k: r.at[:, 5].set(float(k))               # row 5: the level
   kbars, vbars, tables = [kbar], [vbar], [tagged(rows, 1)]
@@ -191,7 +192,8 @@ def _level_summaries(layout, kbar, vbar, rows, levels: int, max_top_cubes):
 def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                      radius_blocks: int = 1, block_bias: bool = True, summary_rope=None,
                      far_offset=None, max_cubes: int | None = None, levels: int = 1,
-                     level_radius=None, max_top_cubes: int | None = None, interpret=None,
+                     level_radius=None, max_top_cubes: int | None = None,
+                     level_key_gain: float = 1.0, interpret=None,
                      backend: Backend | None = None, **block_sizes):
   """Pack3D attention as Pallas kernels, differentiable in q, k, v (and far_offset).
 
@@ -205,7 +207,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     far_offset: None, or beta [H] (float) added to every far-summary logit of its head (of
       every level), or with levels >= 2 [levels, H], row k - 1 on level k; None leaves the
       kernels exactly as without it (no offset operand, no gradient output).
-    levels, level_radius, max_top_cubes: the multi-level far field, as in
+    levels, level_radius, max_top_cubes, level_key_gain: the multi-level far field, as in
       `jaxops.pack3d.pack3d_attention` (DESIGN.md section 3.1); levels=1 is the single level.
       The kernels visit every summary of every level per query cube (module docstring).
     interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Mosaic GPU on
@@ -222,7 +224,8 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     o [B, N, H, D] in q.dtype; matmuls in the input dtype, softmax in float32.
   """
   radii = levels_lib.level_radii(radius_blocks, levels, level_radius)
-  levels_lib.check_level_options(levels, max_top_cubes, summary_rope=summary_rope)
+  levels_lib.check_level_options(levels, max_top_cubes, level_key_gain,
+                                 summary_rope=summary_rope)
   per_level = levels > 1 and far_offset is not None and jnp.ndim(far_offset) == 2
   offset_levels = levels if per_level else 1
   if offset_levels > 1:  # [L, H] per level (shape checked there), its first row for the rest
@@ -258,7 +261,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   cols = jnp.swapaxes(rows, 1, 2)                                 # the level-1 query cubes
   if levels > 1:
     kbar, vbar, rows, top_slots = _level_summaries(layout, kbar, vbar, rows, levels,
-                                                  max_top_cubes)
+                                                  max_top_cubes, level_key_gain)
   tables = Tables(key_bias=jnp.where(layout.key_valid(), 0.0, MASK)[:, :, None, :],
                   cube_rows=rows, cube_cols=cols,
                   neighbours=layout.neighbours, num_neighbours=layout.num_neighbours)
