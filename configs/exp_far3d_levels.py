@@ -12,8 +12,10 @@ field), batch 2, so a step holds the tokens of configs/exp_far3d.py's batch of 8
 radius 1 at both levels a query reads level-1 summaries within its level-2 neighbourhood
 (3^3 level-2 cubes) and level-2 summaries beyond: most objects see the marker only through a
 level-2 summary (the mean of 8 cubes, one of them the marker's). Arms: the single level (the
-default), two levels, two levels with the level-2 keys scaled by 8 (`level_key_gain`: does
-undoing the marker's 8-fold dilution in the level-2 logits let two levels learn it?), the local
+default), two levels with the counting-exact summaries (`levels2`: level_key_gain 1, as
+first measured), two levels with the level-2 keys scaled by 8 (`levels2_gain8`, the default
+gain since: does undoing the marker's 8-fold dilution in the level-2 logits let two levels
+learn it?), the local
 branch alone (the floor: no far context), and two levels with the learnable far offset (can a
 per-head shift of the far logits make up for the dilution?). Unseen shapes:
 other fields of 4096 tokens or fewer, each with at least 3 cubes per axis. The batches'
@@ -44,11 +46,12 @@ def get_config(variant: str = "main"):
       "lrs": (2e-3,),
       "order": ("axial_rope", "levels2", "levels2_gain8", "local_only", "levels2_offset"),
       "arms": {"axial_rope": {"position": "axial_rope"},
-               "levels2": {"position": "axial_rope", "levels": 2, "max_top_cubes": 128},
+               "levels2": {"position": "axial_rope", "levels": 2, "max_top_cubes": 128,
+                           "level_key_gain": 1.0},
                "levels2_gain8": {"position": "axial_rope", "levels": 2, "max_top_cubes": 128,
                                  "level_key_gain": 8.0},
                "levels2_offset": {"position": "axial_rope", "levels": 2, "max_top_cubes": 128,
-                                  "far_offset": True},
+                                  "level_key_gain": 1.0, "far_offset": True},
                "local_only": {"position": "axial_rope", "merge": "local"}},
   })
   if variant == "sweep":

@@ -36,7 +36,7 @@ from absl import app, flags, logging
 from flax import nnx
 
 from experiments import common, geometry_task
-from jaxops import packing
+from jaxops import pack3d_levels, packing
 from models.seg3d import Pack3DSegmenter
 from train import inference, trainer
 from train.losses import masked_cross_entropy
@@ -116,15 +116,19 @@ def evaluate(model, config, seed: int) -> dict:
   return out
 
 
+def local_twin(config, attention: dict, seed: int) -> Pack3DSegmenter:
+  """The abstract model of a joint-merge arm with its far branch off (merge="local"): the
+  same parameters; the local branch alone has no far levels, so their options are dropped."""
+  options = {k: v for k, v in attention.items() if k not in pack3d_levels.OPTIONS}
+  return nnx.eval_shape(lambda: make_model(config, {**options, "merge": "local"}, seed))
+
+
 def far_ablation(model, config, attention: dict, seed: int) -> dict | None:
-  """evaluate() of the trained weights with the far branch off (merge="local"; same parameters
-  for a joint-merge arm); None for arms that are not joint."""
+  """evaluate() of the trained weights with the far branch off (`local_twin`); None for arms
+  that are not joint."""
   if attention.get("merge", "joint") != "joint":
     return None
-  # the local branch alone has no far levels (and no parameters of theirs)
-  options = {k: v for k, v in attention.items()
-             if k not in ("levels", "level_radius", "max_top_cubes")}
-  local = nnx.eval_shape(lambda: make_model(config, {**options, "merge": "local"}, seed))
+  local = local_twin(config, attention, seed)
   nnx.update(local, nnx.state(model))
   return evaluate(local, config, seed)
 

@@ -231,7 +231,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                      radius_blocks: int = 1, block_bias: bool = True, gates=None,
                      summary_rope=None, far_offset=None, max_cubes: int | None = None,
                      chunk: int = 16, levels: int = 1, level_radius=None,
-                     max_top_cubes: int | None = None, level_key_gain: float = 1.0):
+                     max_top_cubes: int | None = None, level_key_gain: float | None = None):
   """Fast XLA path of Pack3D attention; same arguments and result as the reference.
 
   Args (beyond the reference's):
@@ -252,14 +252,15 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
       plus a margin for boxes that straddle) makes the far field near-linear; an entry that
       needs more gets NaN outputs, as for max_cubes.
     level_key_gain: g, with levels >= 2: a level-k summary's logit is
-      g^(k-1) q . kbar_b / sqrt(D) + log(n_b) + beta. 1 keeps the counting argument exact;
-      8 undoes the 1/8^(k-1) dilution of a feature that fills one level-1 cube (DESIGN.md 3.1).
+      g^(k-1) q . kbar_b / sqrt(D) + log(n_b) + beta. None: 8 (`pack3d_levels.KEY_GAIN`),
+      which undoes the 1/8^(k-1) dilution of a feature that fills one level-1 cube; 1 keeps
+      the counting argument exact (DESIGN.md 3.1).
   Returns:
     o [B, N, H, D] in q.dtype (matmuls in the input dtype, float32 accumulation).
   """
   radii = levels_lib.level_radii(radius_blocks, levels, level_radius)
-  levels_lib.check_level_options(levels, max_top_cubes, level_key_gain, gates=gates,
-                                 summary_rope=summary_rope)
+  key_gain = levels_lib.check_level_options(levels, max_top_cubes, level_key_gain, gates=gates,
+                                            summary_rope=summary_rope)
   if levels > 1:
     beta = levels_lib.offsets_per_level(far_offset, levels, q.shape[2])
     far_offset = None if beta is None else beta[0]     # the [H] form, for the input checks
@@ -286,7 +287,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
 
   if levels > 1:
     return _multilevel(q, layout, q_c, k_c, v_c, kbar, vbar, starts, radii, block_bias, beta,
-                       max_top_cubes, level_key_gain)
+                       max_top_cubes, key_gain)
   count = layout.count
   bias = jnp.where(count > 0, jnp.log(jnp.maximum(count, 1.0)) if block_bias else 0.0, MASK)
   o_c = jax.vmap(one_entry)(q_c, k_c, v_c, layout.key_valid(), kbar, vbar, layout.keys, bias,

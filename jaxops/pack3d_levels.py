@@ -11,8 +11,9 @@ where d_k is the Chebyshev distance of level-k indices and parent(b) = b >> 1. W
 r_{k+1} >= ceil(r_k / 2) every key token is counted exactly once over Loc and Far_1..Far_L
 (the counting argument is in the design document). Summaries are token means (the
 count-weighted mean of the children's means), logits get log(n_b) and the level's offset; a
-level-k summary's key is scaled by g^(k-1) (`level_key_gain` g; 1 keeps the counting argument
-exact, 8 gives a feature that fills one level-1 cube its level-1 logit).
+level-k summary's key is scaled by g^(k-1) (`level_key_gain` g, default `KEY_GAIN` = 8: a
+feature that fills one level-1 cube keeps its level-1 logit; 1 keeps the counting argument
+exact).
 
 Slots: the level-k cubes of a field take the z-major slots of the field's level-k bounding
 box, after the fields before it (as level 1 does in `pack3d_layout`). A field's level-k box
@@ -31,6 +32,14 @@ from jaxops import checks
 from jaxops.pack3d_layout import MAX_FIELDS, cube_distance
 
 _F32 = jnp.float32
+# The default level_key_gain: a level-k cube holds 8 level-(k-1) cubes, so a feature filling
+# one level-1 cube is 1/8^(k-1) of the level-k mean key; 8^(k-1) gives it back its level-1
+# logit. On the far-context task two levels learned nothing at g = 1 and matched one level at
+# g = 8 (DESIGN.md section 3.1, RESULTS.md section 5).
+KEY_GAIN = 8.0
+# Pack3DAttention's options that only exist with levels >= 2 (a caller building the single-level
+# or local-only twin of a multi-level layer drops them).
+OPTIONS = ("levels", "level_radius", "max_top_cubes", "level_key_gain")
 
 
 def level_radii(radius_blocks: int, levels: int, level_radius=None) -> tuple[int, ...]:
@@ -60,27 +69,27 @@ def level_radii(radius_blocks: int, levels: int, level_radius=None) -> tuple[int
   return radii
 
 
-def check_level_options(levels: int, max_top_cubes, level_key_gain: float = 1.0,
-                        **single_level) -> None:
+def check_level_options(levels: int, max_top_cubes, level_key_gain: float | None = None,
+                        **single_level) -> float:
   """One-line ValueErrors shared by the XLA path and the kernels: `max_top_cubes` (a positive
-  int) and a `level_key_gain` other than 1 (a finite float > 0) only with levels >= 2, the
-  single-level options given (not None) only with levels = 1."""
-  if not (isinstance(level_key_gain, (int, float)) and 0 < level_key_gain < math.inf):
+  int) and `level_key_gain` (a finite number > 0) only with levels >= 2, the single-level
+  options given (not None) only with levels = 1. Returns the key gain (None: `KEY_GAIN`)."""
+  if level_key_gain is not None and not (
+      isinstance(level_key_gain, (int, float)) and 0 < level_key_gain < math.inf):
     raise ValueError("pack3d_attention: `level_key_gain` must be a finite number > 0, got "
                      f"{level_key_gain!r}")
   if levels == 1:
-    if max_top_cubes is not None:
-      raise ValueError("pack3d_attention: `max_top_cubes` is a multi-level option (levels >= 2)"
-                       f"; got max_top_cubes={max_top_cubes} with levels=1")
-    if level_key_gain != 1:
-      raise ValueError("pack3d_attention: `level_key_gain` is a multi-level option (levels >= "
-                       f"2); got level_key_gain={level_key_gain} with levels=1")
-    return
+    for name, value in (("max_top_cubes", max_top_cubes), ("level_key_gain", level_key_gain)):
+      if value is not None:
+        raise ValueError(f"pack3d_attention: `{name}` is a multi-level option (levels >= 2); "
+                         f"got {name}={value} with levels=1")
+    return 1.0
   for name, value in single_level.items():
     if value is not None:
       raise ValueError(f"pack3d_attention: `{name}` is a single-level option (single-level "
                        f"options need levels=1); got levels={levels}")
   checks.ints("pack3d_attention", checks.given(max_top_cubes=max_top_cubes))
+  return KEY_GAIN if level_key_gain is None else float(level_key_gain)
 
 
 def offsets_per_level(far_offset, levels: int, heads: int):

@@ -70,10 +70,12 @@ class Pack3DAttention(nnx.Module):
       `jaxops.pack3d.pack3d_attention`; None: max_cubes, exact for any layout but quadratic
       in the top level). Set it from your grids to keep the far field near-linear.
     level_key_gain: g, with levels >= 2: level-k summary keys are scaled by g^(k-1), so their
-      logits are g^(k-1) q . kbar_b / sqrt(D) + log(n_b) (DESIGN.md section 3.1). 1 keeps the
-      counting argument exact (a cube of identical keys counts as its n_b tokens at every
-      level); 8 gives a feature that fills one level-1 cube the logit it has in its own
-      level-1 summary, undoing the 8^(k-1)-fold dilution.
+      logits are g^(k-1) q . kbar_b / sqrt(D) + log(n_b) (DESIGN.md section 3.1). None: 8, the
+      rule: a level-k cube holds 8^(k-1) level-1 cubes, so 8^(k-1) gives a feature that fills
+      one of them the logit it has in its own level-1 summary. Measured: with g = 1 two levels
+      never learned the far-context task's distant marker, with g = 8 they matched one level
+      (RESULTS.md section 5). 1 keeps the counting argument exact (a cube of identical keys
+      counts as its n_b tokens at every level).
     dtype: compute dtype (params are cast to it); None uses the input's dtype.
   """
 
@@ -83,7 +85,8 @@ class Pack3DAttention(nnx.Module):
                merge: str = "joint", rotate_summaries: str = "before", rope_theta: float = 10000.0,
                spacing: Sequence[float] = (1.0, 1.0, 1.0), max_cubes: int | None = None,
                far_offset: bool = False, levels: int = 1, level_radius=None,
-               max_top_cubes: int | None = None, level_key_gain: float = 1.0, dtype=None,
+               max_top_cubes: int | None = None, level_key_gain: float | None = None,
+               dtype=None,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     owner = "Pack3DAttention"
     checks.ints(owner, dict(d_model=d_model, num_heads=num_heads,

@@ -1,6 +1,7 @@
 """The experiment harness of RESULTS.md (experiments/): whole-split evaluation, the memory and
 geometry tasks, the local-only Pack3D ablation, arm configs, resumable results."""
 
+import importlib
 import importlib.util
 import math
 
@@ -11,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from experiments import common, geometry_task, memory_tasks
+from experiments import common, geometry_task, memory_tasks, repacking
 from jaxops import frac as frac_ops
 from jaxops import packing
 from models.lm import LanguageModel
@@ -341,12 +342,26 @@ def test_throughput_interleaves_arms_and_keeps_each_best_round(monkeypatch):
   assert "`b` 500 ms (1.00x), `a` 500 ms (1.00x)" in line
 
 
+@pytest.mark.parametrize("config", ["exp_far3d", "exp_far3d_levels"])
+def test_every_joint_arm_has_a_local_twin_with_its_parameters(config):
+  """The far-branch-off evaluation builds each joint arm's local-only twin (multi-level options
+  dropped, `pack3d_levels.OPTIONS`) and loads the arm's parameters into it."""
+  base = importlib.import_module(f"configs.{config}").get_config()
+  for arm in base.experiment.order:
+    attention = repacking.arm_options(base, arm)
+    if attention.get("merge", "joint") != "joint":
+      continue
+    model = nnx.eval_shape(lambda: repacking.make_model(base, attention, 0))
+    twin = repacking.local_twin(base, attention, 0)
+    assert (jax.tree.structure(nnx.state(twin, nnx.Param))
+            == jax.tree.structure(nnx.state(model, nnx.Param))), arm
+
+
 @pytest.mark.parametrize("radius", [0, 1])
 def test_marker_reach_is_level2_cube_distance_to_the_marker(radius):
   """`marker_reach`: a token is within level-1 reach where its level-2 cube (coords // (2
   block): a level-2 cube is 2 x 2 x 2 level-1 cubes) is within `radius` of the marker's; each
   field against its own marker (two fields per item)."""
-  from experiments import repacking  # noqa: PLC0415
   block = (2, 2, 2)
   b = geometry_task.batch(seed=3, stream=0, index=0, items=2, fields_per_item=2,
                           shapes=[(16, 16, 16), (12, 8, 16)], block_shape=block,

@@ -43,10 +43,12 @@ RNG = np.random.default_rng(0)
 Q, K, V = (RNG.standard_normal((1, N, H, D)) for _ in range(3))
 BETA = np.array([[0.6, -1.1], [-0.3, 0.9], [1.4, 0.2]])  # [L = 3, H]
 
-CASES = {  # name: (levels, radius_blocks, level_radius, beta, level_key_gain)
-    "L1": (1, 1, None, None, 1.0),
+# The documented default level_key_gain (DESIGN.md 3.1): the op's None must mean this.
+DEFAULT_KEY_GAIN = 8.0
+CASES = {  # name: (levels, radius_blocks, level_radius, beta, level_key_gain; None: default)
+    "L1": (1, 1, None, None, None),
     "L2_r1": (2, 1, None, None, 1.0),
-    "L2_r1_g8": (2, 1, None, "h", 8.0),
+    "L2_r1_default_gain": (2, 1, None, "h", None),
     "L3_r1": (3, 1, None, "h", 1.0),
     "L3_r0": (3, 0, None, "lh", 1.0),
     "L3_r2_1": (3, 2, 1, None, 2.5),
@@ -58,18 +60,18 @@ def _beta(kind, levels):
   return {None: None, "h": BETA[0], "lh": BETA[:levels]}[kind]
 
 
-def _xla(q, k, v, beta, levels, radius_blocks, level_radius, gain=1.0):
+def _xla(q, k, v, beta, levels, radius_blocks, level_radius, gain=None):
   return ops.pack3d_attention(q, k, v, COORDS, FIELDS, block_shape=BLOCK,
                               radius_blocks=radius_blocks, levels=levels,
                               level_radius=level_radius, far_offset=beta, chunk=3,
                               level_key_gain=gain)
 
 
-def _reference(q, k, v, beta, levels, radius_blocks, level_radius, gain=1.0):
-  return iml.multilevel_attention_reference(q, k, v, COORDS, FIELDS, block_shape=BLOCK,
-                                            radius_blocks=radius_blocks, levels=levels,
-                                            level_radius=level_radius, far_offset=beta,
-                                            level_key_gain=gain)
+def _reference(q, k, v, beta, levels, radius_blocks, level_radius, gain=None):
+  return iml.multilevel_attention_reference(
+      q, k, v, COORDS, FIELDS, block_shape=BLOCK, radius_blocks=radius_blocks, levels=levels,
+      level_radius=level_radius, far_offset=beta,
+      level_key_gain=DEFAULT_KEY_GAIN if gain is None else gain)
 
 
 @pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 2e-5), (jnp.bfloat16, 2e-2)],
@@ -142,20 +144,20 @@ def test_bad_level_options_are_one_line_errors(options, match):
 
 
 def test_layer_with_levels_is_its_formula():
-  """Pack3DAttention(levels=3, level_key_gain=8): x W_qkv -> axial RoPE on the coordinates ->
+  """Pack3DAttention(levels=3, level_key_gain=2): x W_qkv -> axial RoPE on the coordinates ->
   the multi-level op -> W_out; `impl="auto"` resolves to the XLA path where kernels do not
   compile (CPU)."""
   from flax import nnx
   from jaxops import rope
   from models import Pack3DAttention
   layer = Pack3DAttention(12, H, block_shape=BLOCK, levels=3, level_radius=(2, 1),
-                          level_key_gain=8.0, rngs=nnx.Rngs(0))
+                          level_key_gain=2.0, rngs=nnx.Rngs(0))
   assert layer.impl == "xla"
   x = jnp.asarray(np.random.default_rng(1).standard_normal((1, N, 12)), jnp.float32)
   qkv = (x @ layer.w_qkv[...].reshape(12, -1)).reshape(1, N, 3, H, 6)
   q, k = (rope.axial_rope_3d(t, COORDS) for t in (qkv[:, :, 0], qkv[:, :, 1]))
   o = ops.pack3d_attention(q, k, qkv[:, :, 2], COORDS, FIELDS, block_shape=BLOCK, levels=3,
-                           level_radius=(2, 1), level_key_gain=8.0)
+                           level_radius=(2, 1), level_key_gain=2.0)
   expected = o.reshape(1, N, 12) @ layer.w_out[...]
   np.testing.assert_allclose(layer(x, COORDS, FIELDS), expected, rtol=1e-5, atol=1e-6)
 

@@ -32,7 +32,7 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 COORDS, FIELDS, BLOCK = xla_cases.COORDS, xla_cases.FIELDS, xla_cases.BLOCK
 H, D, N = xla_cases.H, xla_cases.D, xla_cases.N
 # name: (levels, radius_blocks, level_radius, far offset: None, "h" [H] or "lh" [L, H],
-#        level_key_gain)
+#        level_key_gain: None for the default)
 CASES = {name: case for name, case in xla_cases.CASES.items() if case[0] > 1}
 
 
@@ -67,7 +67,8 @@ def _reference(case: str, coords=COORDS, fields=FIELDS, block=BLOCK):
   levels, radius, level_radius, _, gain = CASES[case]
   return lambda q, k, v, *beta: iml.multilevel_attention_reference(
       q, k, v, coords, fields, block_shape=block, radius_blocks=radius, levels=levels,
-      level_radius=level_radius, far_offset=beta[0] if beta else None, level_key_gain=gain)
+      level_radius=level_radius, far_offset=beta[0] if beta else None,
+      level_key_gain=xla_cases.DEFAULT_KEY_GAIN if gain is None else gain)
 
 
 def check_case(op, reference, qkv, beta, dtype):

@@ -193,7 +193,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
                      radius_blocks: int = 1, block_bias: bool = True, summary_rope=None,
                      far_offset=None, max_cubes: int | None = None, levels: int = 1,
                      level_radius=None, max_top_cubes: int | None = None,
-                     level_key_gain: float = 1.0, interpret=None,
+                     level_key_gain: float | None = None, interpret=None,
                      backend: Backend | None = None, **block_sizes):
   """Pack3D attention as Pallas kernels, differentiable in q, k, v (and far_offset).
 
@@ -224,8 +224,8 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     o [B, N, H, D] in q.dtype; matmuls in the input dtype, softmax in float32.
   """
   radii = levels_lib.level_radii(radius_blocks, levels, level_radius)
-  levels_lib.check_level_options(levels, max_top_cubes, level_key_gain,
-                                 summary_rope=summary_rope)
+  key_gain = levels_lib.check_level_options(levels, max_top_cubes, level_key_gain,
+                                            summary_rope=summary_rope)
   per_level = levels > 1 and far_offset is not None and jnp.ndim(far_offset) == 2
   offset_levels = levels if per_level else 1
   if offset_levels > 1:  # [L, H] per level (shape checked there), its first row for the rest
@@ -261,7 +261,7 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   cols = jnp.swapaxes(rows, 1, 2)                                 # the level-1 query cubes
   if levels > 1:
     kbar, vbar, rows, top_slots = _level_summaries(layout, kbar, vbar, rows, levels,
-                                                  max_top_cubes, level_key_gain)
+                                                  max_top_cubes, key_gain)
   tables = Tables(key_bias=jnp.where(layout.key_valid(), 0.0, MASK)[:, :, None, :],
                   cube_rows=rows, cube_cols=cols,
                   neighbours=layout.neighbours, num_neighbours=layout.num_neighbours)
