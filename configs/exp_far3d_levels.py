@@ -15,10 +15,7 @@ level-2 summary (the mean of 8 cubes, one of them the marker's). Arms: the singl
 default), two levels with the counting-exact summaries (`levels2`: level_key_gain 1, as
 first measured), two levels with the level-2 keys scaled by 8 (`levels2_gain8`, the default
 gain since: does undoing the marker's 8-fold dilution in the level-2 logits let two levels
-learn it?), the local
-branch alone (the floor: no far context), and two levels with the learnable far offset (can a
-per-head shift of the far logits make up for the dilution?). Unseen shapes:
-other fields of 4096 tokens or fewer, each with at least 3 cubes per axis. The batches'
+learn it?), and the local branch alone (the floor: no far context). Unseen shapes: other fields of 4096 tokens or fewer, each with at least 3 cubes per axis. The batches'
 coordinates are traced, so the two-level arm bounds its top level by `max_top_cubes` = 128
 (the largest field here has 5 x 4 x 4 = 80 level-2 cubes), not by the 1024 level-1 slots.
 The `sweep` variant (its own results file, far3d_levels_sweep) runs `levels2` at the two
@@ -44,14 +41,12 @@ def get_config(variant: str = "main"):
   c.experiment.update({
       "name": "far3d_levels",
       "lrs": (2e-3,),
-      "order": ("axial_rope", "levels2", "levels2_gain8", "local_only", "levels2_offset"),
+      "order": ("axial_rope", "levels2", "levels2_gain8", "local_only"),
       "arms": {"axial_rope": {"position": "axial_rope"},
                "levels2": {"position": "axial_rope", "levels": 2, "max_top_cubes": 128,
                            "level_key_gain": 1.0},
                "levels2_gain8": {"position": "axial_rope", "levels": 2, "max_top_cubes": 128,
                                  "level_key_gain": 8.0},
-               "levels2_offset": {"position": "axial_rope", "levels": 2, "max_top_cubes": 128,
-                                  "level_key_gain": 1.0, "far_offset": True},
                "local_only": {"position": "axial_rope", "merge": "local"}},
   })
   if variant == "sweep":

@@ -275,7 +275,7 @@ def _at_chosen_lr(runs: dict, best: dict) -> tuple[dict, str]:
 
 def repacking(d) -> str:
   order = ["learned_packed", "rope_packed", "axial_rope", "none", "local_only", "dense",
-           "far_offset", "levels2", "levels2_offset"]
+           "far_offset", "levels2", "levels2_gain8"]
   runs, out = d["runs"], []
   lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs.values() if "lr" in r})
   if len(lrs) > 1:  # swept: a sweep table, then every arm at its own best rate

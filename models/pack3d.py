@@ -61,11 +61,11 @@ class Pack3DAttention(nnx.Module):
       coarser cubes (level k: 2^(k-1) block_shape per axis), level_radius the radii r_2..r_L
       (None: radius_blocks). The XLA path and the kernels (which still visit every summary
       block: exact, but near-linear only on the XLA path); one far offset per head shared by
-      the levels. Why levels = 1 is the default: a level-k summary averages 8^(k-1) cubes, so
-      one distant cube's feature is diluted 8^(k-1)-fold there, and on the far-context task
-      levels = 2 did not learn in 400 steps what one level learned on 2 of 3 seeds (DESIGN.md
-      section 3.1): use levels >= 2 where one level's N^2 / prod(block_shape) far term does
-      not fit.
+      the levels. Why levels = 1 is the default: it is the paper's field, exact by the
+      counting argument, and a level-k summary averages 8^(k-1) cubes, so one distant cube's
+      feature is diluted 8^(k-1)-fold there (`level_key_gain` gives it back its logit, not its
+      resolution): use levels >= 2 where one level's N^2 / prod(block_shape) far term does
+      not fit (DESIGN.md section 3.1).
     max_top_cubes: with levels >= 2 and traced coords, the top level's cube slots (see
       `jaxops.pack3d.pack3d_attention`; None: max_cubes, exact for any layout but quadratic
       in the top level). Set it from your grids to keep the far field near-linear.
