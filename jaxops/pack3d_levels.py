@@ -23,6 +23,7 @@ is never larger than its level-1 box, so C level-1 slots bound the level-k slots
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +33,9 @@ from jaxops import checks
 from jaxops.pack3d_layout import MAX_FIELDS, cube_distance
 
 _F32 = jnp.float32
-# The default level_key_gain: a level-k cube holds 8 level-(k-1) cubes, so a feature filling
-# one level-1 cube is 1/8^(k-1) of the level-k mean key; 8^(k-1) gives it back its level-1
-# logit. On the far-context task two levels learned nothing at g = 1 and matched one level at
-# g = 8 (DESIGN.md section 3.1, RESULTS.md section 5).
+# The default level_key_gain, the rule and its measurement in DESIGN.md section 3.1: a level-k
+# cube holds 8^(k-1) level-1 cubes, so 8^(k-1) gives a feature that fills one of them back the
+# key term of its own level-1 summary's logit.
 KEY_GAIN = 8.0
 # Pack3DAttention's options that only exist with levels >= 2 (a caller building the single-level
 # or local-only twin of a multi-level layer drops them).
@@ -69,26 +69,28 @@ def level_radii(radius_blocks: int, levels: int, level_radius=None) -> tuple[int
   return radii
 
 
-def check_level_options(levels: int, max_top_cubes, level_key_gain: float | None = None,
-                        **single_level) -> float:
-  """One-line ValueErrors shared by the XLA path and the kernels: `max_top_cubes` (a positive
-  int) and `level_key_gain` (a finite number > 0) only with levels >= 2, the single-level
-  options given (not None) only with levels = 1. Returns the key gain (None: `KEY_GAIN`)."""
-  if level_key_gain is not None and not (
-      isinstance(level_key_gain, (int, float)) and 0 < level_key_gain < math.inf):
-    raise ValueError("pack3d_attention: `level_key_gain` must be a finite number > 0, got "
-                     f"{level_key_gain!r}")
+def check_level_options(levels: int, max_top_cubes, level_key_gain: float | None = None, *,
+                        owner: str = "pack3d_attention", **single_level) -> float:
+  """One-line ValueErrors shared by the XLA path, the kernels and the layer (`owner` names
+  the caller): `max_top_cubes` (a positive int) and `level_key_gain` (a real number > 0,
+  finite in float32) only with levels >= 2, the single-level options given (not None) only
+  with levels = 1. Returns the key gain (None: `KEY_GAIN`)."""
+  if level_key_gain is not None and (
+      isinstance(level_key_gain, bool) or not isinstance(level_key_gain, numbers.Real)
+      or not 0 < level_key_gain < float(np.finfo(np.float32).max)):
+    raise ValueError(f"{owner}: `level_key_gain` must be a number > 0 and finite in float32, "
+                     f"got {level_key_gain!r}")
   if levels == 1:
     for name, value in (("max_top_cubes", max_top_cubes), ("level_key_gain", level_key_gain)):
       if value is not None:
-        raise ValueError(f"pack3d_attention: `{name}` is a multi-level option (levels >= 2); "
+        raise ValueError(f"{owner}: `{name}` is a multi-level option (levels >= 2); "
                          f"got {name}={value} with levels=1")
     return 1.0
   for name, value in single_level.items():
     if value is not None:
-      raise ValueError(f"pack3d_attention: `{name}` is a single-level option (single-level "
+      raise ValueError(f"{owner}: `{name}` is a single-level option (single-level "
                        f"options need levels=1); got levels={levels}")
-  checks.ints("pack3d_attention", checks.given(max_top_cubes=max_top_cubes))
+  checks.ints(owner, checks.given(max_top_cubes=max_top_cubes))
   return KEY_GAIN if level_key_gain is None else float(level_key_gain)
 
 

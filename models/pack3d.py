@@ -70,12 +70,11 @@ class Pack3DAttention(nnx.Module):
       `jaxops.pack3d.pack3d_attention`; None: max_cubes, exact for any layout but quadratic
       in the top level). Set it from your grids to keep the far field near-linear.
     level_key_gain: g, with levels >= 2: level-k summary keys are scaled by g^(k-1), so their
-      logits are g^(k-1) q . kbar_b / sqrt(D) + log(n_b) (DESIGN.md section 3.1). None: 8, the
-      rule: a level-k cube holds 8^(k-1) level-1 cubes, so 8^(k-1) gives a feature that fills
-      one of them the logit it has in its own level-1 summary. Measured: with g = 1 two levels
-      never learned the far-context task's distant marker, with g = 8 they matched one level
-      (RESULTS.md section 5). 1 keeps the counting argument exact (a cube of identical keys
-      counts as its n_b tokens at every level).
+      logits are g^(k-1) q . kbar_b / sqrt(D) + log(n_b). None: 8, the rule: a level-k cube
+      holds 8^(k-1) level-1 cubes, so 8^(k-1) gives a feature that fills one of them back the
+      key term of its own level-1 summary's logit (with g = 1 two levels never learned the
+      far-context task's distant marker; DESIGN.md section 3.1 has the measurement). 1 keeps
+      the counting argument exact (a cube of identical keys counts as its n_b tokens).
     dtype: compute dtype (params are cast to it); None uses the input's dtype.
   """
 
@@ -123,7 +122,7 @@ class Pack3DAttention(nnx.Module):
     self.op_kwargs = dict(block_shape=tuple(block_shape), radius_blocks=radius_blocks,
                           block_bias=block_bias,
                           summary_rope=self.rope if rotate_summaries == "after" else None)
-    levels_lib.check_level_options(levels, max_top_cubes, level_key_gain)
+    levels_lib.check_level_options(levels, max_top_cubes, level_key_gain, owner=owner)
     if levels > 1:
       self.op_kwargs.update(levels=levels, level_radius=level_radius, max_top_cubes=max_top_cubes,
                             level_key_gain=level_key_gain)

@@ -120,7 +120,8 @@ def multilevel_attention_reference(q, k, v, coords, field_ids, *, block_shape=(4
   [B, N, 3]; field_ids int [B, N]. rope=None: q, k are already rotated (the ops' contract);
   rope=(theta, spacing): they are not, and are rotated per token by axial RoPE first (so the
   summaries average rotated keys). far_offset: beta, [H] or [L, H] (None: 0).
-  level_key_gain: g, the factor g^(k-1) on a level-k summary's key.
+  level_key_gain: g, the factor g^(k-1) on a level-k summary's key; 1 here (the counting-
+  exact field these tests check), where the ops' default is 8: pass it explicitly.
   Returns o [B, N, H, Dv].
 
     s_ij = q_i . k_j / sqrt(D)                                       j in Loc(i)

@@ -52,7 +52,7 @@ CASES = {  # name: (levels, radius_blocks, level_radius, beta, level_key_gain; N
     "L3_r1": (3, 1, None, "h", 1.0),
     "L3_r0": (3, 0, None, "lh", 1.0),
     "L3_r2_1": (3, 2, 1, None, 2.5),
-    "L3_r1_2_1": (3, 1, (2, 1), "lh", 2.0),
+    "L3_r1_2_1": (3, 1, (2, 1), "lh", 3.0),  # g^2 = 9, not 2g = 6 or g + g
 }
 
 
@@ -100,9 +100,9 @@ def test_levels_change_the_result():
 
 def test_gradients_match_the_reference_directional_derivatives():
   """<dL/dX, dX> for q, k, v and the [L, H] far offset (L = sum(W * o)) against the central
-  difference of the float64 reference along the same random direction (key gain 2: the
+  difference of the float64 reference along the same random direction (key gain 3: the
   gradient through the scaled level-2 and level-3 keys)."""
-  levels, radius, level_radius, gain = 3, 1, (2, 1), 2.0
+  levels, radius, level_radius, gain = 3, 1, (2, 1), 3.0
   rng = np.random.default_rng(3)
   weight = rng.standard_normal((1, N, H, D))
   inputs = (Q, K, V, BETA)
@@ -135,7 +135,8 @@ def test_one_level_is_the_single_level_op():
     ({"max_top_cubes": 4}, "`max_top_cubes` is a multi-level option"),
     ({"levels": 2, "max_top_cubes": 0}, "max_top_cubes"),
     ({"level_key_gain": 8.0}, "`level_key_gain` is a multi-level option"),
-    ({"levels": 2, "level_key_gain": 0.0}, "`level_key_gain` must be a finite number > 0"),
+    *[({"levels": 2, "level_key_gain": g}, "`level_key_gain` must be a number > 0 and finite")
+      for g in (0.0, -1.0, True, float("inf"), float("nan"), 1e39, "8", np.ones(2))],
 ])
 def test_bad_level_options_are_one_line_errors(options, match):
   args = [jnp.asarray(a, jnp.float32) for a in (Q, K, V)]
@@ -143,23 +144,31 @@ def test_bad_level_options_are_one_line_errors(options, match):
     ops.pack3d_attention(*args, COORDS, FIELDS, block_shape=BLOCK, **options)
 
 
-def test_layer_with_levels_is_its_formula():
-  """Pack3DAttention(levels=3, level_key_gain=2): x W_qkv -> axial RoPE on the coordinates ->
-  the multi-level op -> W_out; `impl="auto"` resolves to the XLA path where kernels do not
-  compile (CPU)."""
+@pytest.mark.parametrize("layer_gain, op_gain", [(3.0, 3.0), (None, DEFAULT_KEY_GAIN)])
+def test_layer_with_levels_is_its_formula(layer_gain, op_gain):
+  """Pack3DAttention(levels=3, level_key_gain=g): x W_qkv -> axial RoPE on the coordinates ->
+  the multi-level op with g (None: the documented default) -> W_out; `impl="auto"` resolves
+  to the XLA path where kernels do not compile (CPU)."""
   from flax import nnx
   from jaxops import rope
   from models import Pack3DAttention
   layer = Pack3DAttention(12, H, block_shape=BLOCK, levels=3, level_radius=(2, 1),
-                          level_key_gain=2.0, rngs=nnx.Rngs(0))
+                          level_key_gain=layer_gain, rngs=nnx.Rngs(0))
   assert layer.impl == "xla"
   x = jnp.asarray(np.random.default_rng(1).standard_normal((1, N, 12)), jnp.float32)
   qkv = (x @ layer.w_qkv[...].reshape(12, -1)).reshape(1, N, 3, H, 6)
   q, k = (rope.axial_rope_3d(t, COORDS) for t in (qkv[:, :, 0], qkv[:, :, 1]))
   o = ops.pack3d_attention(q, k, qkv[:, :, 2], COORDS, FIELDS, block_shape=BLOCK, levels=3,
-                           level_radius=(2, 1), level_key_gain=2.0)
+                           level_radius=(2, 1), level_key_gain=op_gain)
   expected = o.reshape(1, N, 12) @ layer.w_out[...]
   np.testing.assert_allclose(layer(x, COORDS, FIELDS), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_layer_refuses_multi_level_options_with_one_level():
+  from flax import nnx
+  from models import Pack3DAttention
+  with pytest.raises(ValueError, match="Pack3DAttention: `level_key_gain` is a multi-level"):
+    Pack3DAttention(12, H, level_key_gain=8.0, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("options", [{"impl": "reference"}, {"merge": "local"},
