@@ -12,8 +12,8 @@ r_{k+1} >= ceil(r_k / 2) every key token is counted exactly once over Loc and Fa
 (the counting argument is in the design document). Summaries are token means (the
 count-weighted mean of the children's means), logits get log(n_b) and the level's offset; a
 level-k summary's key is scaled by g^(k-1) (`level_key_gain` g, default `KEY_GAIN` = 8: a
-feature that fills one level-1 cube keeps its level-1 logit; 1 keeps the counting argument
-exact).
+feature that fills one level-1 cube keeps the key term of its level-1 logit; 1 keeps the
+counting argument exact).
 
 Slots: the level-k cubes of a field take the z-major slots of the field's level-k bounding
 box, after the fields before it (as level 1 does in `pack3d_layout`). A field's level-k box
@@ -172,7 +172,7 @@ def candidates(query_keys, box, level: int, radius: int, radius_up: int):
   return slots, inside & (cube_distance(cube, own[:, None]) > radius)
 
 
-def level_structure(keys, count, kbar, vbar, levels: int, key_gain: float = 1.0):
+def level_structure(keys, count, kbar, vbar, levels: int, key_gain: float):
   """One batch entry's cubes of every level, for `candidates` (levels below the top) and the
   top level's masks. Returns a list over k = 1..L of (keys_k [C, 4], count_k [C],
   kbar_k, vbar_k [C, H, D], box_k); level 1 is the layout's own cubes. kbar_k is the token

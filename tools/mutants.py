@@ -453,7 +453,7 @@ MUTANTS = [
       "                            level_key_gain=level_key_gain)", "                            )",
       "tests/test_pack3d_levels.py::test_layer_with_levels_is_its_formula"),
     m("pack3d_kernel_key_gain_dropped", "pallas_kernels/pack3d_attention/__init__.py",
-      "levels_lib.level_structure(*a, levels, key_gain)", "levels_lib.level_structure(*a, levels)",
+      "levels_lib.level_structure(*a, levels, key_gain)", "levels_lib.level_structure(*a, levels, 1.0)",
       f"{P3K}::test_kernel_matches_the_independent_reference"),
     m("pack3d_levels_radius_rule_off", "jaxops/pack3d_levels.py",
       "if k < levels and radii[k] < math.ceil(r / 2):", "if False:",
