@@ -16,7 +16,8 @@ default), two levels with the counting-exact summaries (`levels2`: level_key_gai
 first measured), two levels with the level-2 keys scaled by 8 (`levels2_gain8`, the default
 gain since: does undoing the marker's 8-fold dilution in the level-2 logits let two levels
 learn it?), and the local branch alone (the floor: no far context). Unseen shapes: other
-fields of 4096 tokens or fewer, each with at least 3 cubes per axis. The batches' coordinates are traced, so the two-level arm bounds its top level by `max_top_cubes` = 128
+fields of 4096 tokens or fewer, each with at least 3 cubes per axis. The batches'
+coordinates are traced, so the two-level arm bounds its top level by `max_top_cubes` = 128
 (the largest field here has 5 x 4 x 4 = 80 level-2 cubes), not by the 1024 level-1 slots.
 The `sweep` variant (its own results file, far3d_levels_sweep) runs `levels2` at the two
 other learning rates of configs/exp_far3d.py's sweep, 1e-3 and 4e-3: is 2e-3 what holds it back?
