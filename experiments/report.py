@@ -453,7 +453,7 @@ def main(argv) -> None:
     if a.startswith("--results_dir="):
       directory = pathlib.Path(a.split("=", 1)[1])
   for name, fn in (("lm_shakespeare", lm), ("lm_ffn_shakespeare", lm_ffn),
-                   ("lm_ffn_stdlib", lm_ffn), ("lm_ffn_stdlib_jax012", lm_ffn),
+                   ("lm_ffn_stdlib", lm_ffn), ("lm_ffn_stdlib_py312", lm_ffn),
                    ("lm_ffn_large_shakespeare", lm_ffn),
                    ("frac_memory_diag", frac_memory),
                    ("frac_memory", frac_memory), ("frac_extrapolate", frac_extrapolate),
