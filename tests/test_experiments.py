@@ -66,6 +66,22 @@ def test_lm_arms_are_parameter_matched():
   assert 0.8e6 < counts["attention_swiglu"] < 0.9e6
 
 
+@pytest.mark.parametrize("config", ["configs/exp_lm_ffn.py", "configs/exp_lm_ffn_large.py"])
+def test_ffn_arms_have_the_head_width_their_name_says(config):
+  """`flashffn_h<W>` arms are compared by head width, and the width follows d_model: an arm
+  that set the 0.86M config's head count at d = 256 would run width 64 under the name h32."""
+  from experiments.lm_shakespeare import arm_config, check_matched
+  base = _load_config(config)
+  check_matched(base, list(base.experiment.order))
+  for arm in base.experiment.order:
+    if not arm.startswith("flashffn_h"):
+      continue
+    kwargs = arm_config(base, arm, 0).model.to_dict()
+    model = nnx.eval_shape(lambda: LanguageModel(**kwargs, rngs=nnx.Rngs(0)))
+    ffn = model.blocks[0].ffn
+    assert kwargs["d_model"] // ffn.num_heads == int(arm.removeprefix("flashffn_h")), arm
+
+
 # ----------------------------------------------------------------------------- memory tasks
 
 def test_lag_recall_lags_targets_and_mask():
