@@ -6,7 +6,7 @@ them) take `impl` ("auto" by default; see `models.impl`) and `interpret`.
 
 from models.attention import CausalAttention
 from models.block import Block
-from models.flash_ffn import FlashFFN, SwiGLU, default_d_expert, flashffn_matching_swiglu
+from models.flash_ffn import FlashFFN, SwiGLU, default_d_expert
 from models.frac import FRACMixer
 from models.impl import IMPLS, Impl
 from models.lm import LanguageModel
@@ -17,4 +17,4 @@ from models.unet3d import UNet3D, unet3d_matching
 
 __all__ = ["IMPLS", "Block", "CausalAttention", "FRACMixer", "FlashFFN", "Impl", "LanguageModel",
            "Pack3DAttention", "Pack3DSegmenter", "RMSNorm", "SwiGLU", "UNet3D",
-           "default_d_expert", "flashffn_matching_swiglu", "unet3d_matching", "voxel_logits"]
+           "default_d_expert", "unet3d_matching", "voxel_logits"]

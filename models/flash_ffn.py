@@ -46,16 +46,6 @@ def flashffn_param_count(d_model: int, num_experts: int, d_expert: int) -> int:
   return 2 * d_model**2 + 3 * d_model * num_experts * d_expert + d_model * num_experts
 
 
-def flashffn_matching_swiglu(d_model: int, d_ff: int, *, d_expert: int = 256) -> dict:
-  """FlashFFN shape whose parameter count is closest to a SwiGLU of width d_ff (3 d d_ff).
-
-  Returns {"num_experts": E, "d_expert": d_e}.
-  """
-  target = 3 * d_model * d_ff
-  experts = max(1, round((target - 2 * d_model**2) / (3 * d_model * d_expert + d_model)))
-  return {"num_experts": experts, "d_expert": d_expert}
-
-
 def flashffn_shape(d_model: int, params: int, *, head_norm: bool = True) -> dict:
   """E and d_e of a FlashFFN with about `params` parameters (the rule behind its defaults).
 
