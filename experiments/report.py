@@ -279,7 +279,7 @@ def repacking(d) -> str:
   runs, out = d["runs"], []
   lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs.values() if "lr" in r})
   if len(lrs) > 1:  # swept: a sweep table, then every arm at its own best rate
-    table, best = _sweep_table(list(runs.values()), lrs, "acc_objects_train_layout",
+    table, best, _ = _sweep_table(list(runs.values()), lrs, "acc_objects_train_layout",
                                lower_is_better=False, digits=3)
     runs, note = _at_chosen_lr(runs, best)
     out += [table, note]
@@ -389,17 +389,19 @@ def seg3d(d) -> str:
 
 
 def _sweep_table(runs: list, lrs, metric: str, lower_is_better: bool, digits: int):
-  """The learning-rate sweep at the first seed as a table, and {arm: best lr} for the arms
-  whose sweep is complete."""
+  """The learning-rate sweep at the first seed as a table, {arm: best lr} for the arms whose
+  sweep is complete, and {arm: (best lr so far, rates run)} for the others that ran one."""
   arms = list(dict.fromkeys(r["arm"] for r in runs))
   first = min(r["seed"] for r in runs)
   pick = min if lower_is_better else max
-  best, rows = {}, []
+  best, partial, rows = {}, {}, []
   for a in arms:
     scores = {r["lr"]: r[metric] for r in runs if r["arm"] == a and r["seed"] == first}
     at = {lr: scores[lr] for lr in lrs if lr in scores}  # in sweep order: ties go as the runner's
     if len(at) == len(lrs):
       best[a] = pick(at, key=at.get)
+    elif at:
+      partial[a] = (pick(at, key=at.get), len(at))
     r0 = next(r for r in runs if r["arm"] == a)
     rows.append([f"`{a}`", f"{r0['params']:,}",
                  f"{r0['flops_per_token']:,}" if "flops_per_token" in r0 else "n/a"]
@@ -408,43 +410,59 @@ def _sweep_table(runs: list, lrs, metric: str, lower_is_better: bool, digits: in
   table = (f"Learning-rate sweep (seed {first}; {metric}):\n\n"
            + _table(["arm", "params", "FLOPs/token"] + [f"lr {lr:g}" for lr in lrs]
                     + ["best lr"], rows))
-  return table, best
+  return table, best, partial
 
 
-def sweep(d, metric: str, reference: str, *, lower_is_better: bool = True,
+def _paired(by_seed: dict, ref: dict, digits: int) -> list[str]:
+  """[per-seed differences, "mean [95% interval]"] of by_seed minus ref over their seeds."""
+  diffs = [by_seed[s] - ref[s] for s in sorted(by_seed) if s in ref]
+  ci = paired_interval(diffs)
+  interval = ("n/a" if ci["low"] is None else
+              f"{ci['mean']:+.{digits}f} [{ci['low']:+.{digits}f}, {ci['high']:+.{digits}f}]")
+  return [", ".join(f"{x:+.{digits}f}" for x in diffs), interval]
+
+
+def sweep(d, metric: str, reference: str, *, against: tuple = (), lower_is_better: bool = True,
           digits: int = 4) -> str:
-  """Two tables for an experiment run by `common.sweep_then_seeds`: the learning-rate sweep at
-  the first seed, then every arm at its best learning rate with the per-seed paired difference
-  against `reference` (same seed) and its 95% t interval."""
+  """Tables for an experiment run by `common.sweep_then_seeds`: the learning-rate sweep at the
+  first seed, then every arm at its best learning rate with the per-seed paired difference
+  against `reference` (same seed) and its 95% t interval, then the same against each arm in
+  `against` that ran. An arm whose sweep is incomplete is shown at the best of the rates it
+  ran, marked so."""
   runs = list(d["runs"].values())
   lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs})
-  table, best = _sweep_table(runs, lrs, metric, lower_is_better, digits)
+  table, best, partial = _sweep_table(runs, lrs, metric, lower_is_better, digits)
   out = [table]
-  at_best = {a: {r["seed"]: r[metric] for r in runs if r["arm"] == a and r["lr"] == best[a]}
-             for a in best}
+  rate = {**best, **{a: lr for a, (lr, _) in partial.items()}}
+  label = {**{a: f"{lr:g}" for a, lr in best.items()},
+           **{a: f"{lr:g} (best of {n} run)" for a, (lr, n) in partial.items()}}
+  at_best = {a: {r["seed"]: r[metric] for r in runs if r["arm"] == a and r["lr"] == rate[a]}
+             for a in rate}
   ref = at_best.get(reference, {})
-  rows = []
-  for a, by_seed in at_best.items():
-    seeds = sorted(by_seed)
-    diffs = [by_seed[s] - ref[s] for s in seeds if s in ref]
-    ci = paired_interval(diffs)
-    interval = ("n/a" if ci["low"] is None else
-                f"{ci['mean']:+.{digits}f} [{ci['low']:+.{digits}f}, {ci['high']:+.{digits}f}]")
-    rows.append([f"`{a}`", f"{best[a]:g}", ", ".join(f"{by_seed[s]:.{digits}f}" for s in seeds),
-                 fmt(stats(list(by_seed.values())), digits),
-                 ", ".join(f"{x:+.{digits}f}" for x in diffs) if a != reference else "-",
-                 interval if a != reference else "-"])
+  rows = [[f"`{a}`", label[a], ", ".join(f"{by_seed[s]:.{digits}f}" for s in sorted(by_seed)),
+           fmt(stats(list(by_seed.values())), digits)]
+          + (_paired(by_seed, ref, digits) if a != reference else ["-", "-"])
+          for a, by_seed in at_best.items()]
   out += [f"\nAt each arm's best learning rate ({metric}; difference: arm minus `{reference}`,"
           f" same seed; 95% t interval over the seeds):\n",
           _table(["arm", "lr", "per seed", "mean ± sd", f"paired diff vs {reference}",
                   "mean diff [95% interval]"], rows)]
+  for other in (o for o in against if o in at_best):
+    rows = [[f"`{a}`"] + _paired(by_seed, at_best[other], digits)
+            for a, by_seed in at_best.items() if a not in (reference, other)]
+    out += [f"\nArm minus `{other}`, each at its best rate above (same seed; 95% t interval):\n",
+            _table(["arm", f"paired diff vs {other}", "mean diff [95% interval]"], rows)]
   versions = sorted({f"jax {r.get('jax', '?')}, python {r.get('python', '?')}" for r in runs})
   out.append(f"\nSoftware: {'; '.join(versions)}.")
   return "\n".join(out)
 
 
 def lm_ffn(d) -> str:
-  return sweep(d, "val_loss_whole", "swiglu")
+  """SwiGLU as the reference; the other FlashFFN head widths also against the default's (128)
+  where every run used one Python (the stdlib corpus is the running interpreter's library, so
+  rows of two Pythons are on two corpora)."""
+  one_corpus = len({r.get("python") for r in d["runs"].values()}) == 1
+  return sweep(d, "val_loss_whole", "swiglu", against=("flashffn_h128",) if one_corpus else ())
 
 
 def main(argv) -> None:

@@ -332,6 +332,25 @@ def test_far3d_report_shows_each_arm_at_its_own_best_lr():
   assert "+0.350, +0.330 | +0.340" in text   # axial at 2e-3 minus local-only at 1e-3, per seed
 
 
+def test_lm_ffn_report_pairs_widths_and_marks_partial_sweeps():
+  """An arm with 2 of 3 rates run is shown at the better of the two, said so; head widths are
+  paired against width 128 (same seed), but not across Pythons (two stdlib corpora)."""
+  from experiments import report
+  run = lambda arm, lr, seed, loss, py="3.12.1": {"arm": arm, "lr": lr, "seed": seed, "params": 9,
+                                                  "val_loss_whole": loss, "python": py}
+  runs = [run("swiglu", lr, 0, 1.5 + lr) for lr in (1, 2, 3)] + [run("swiglu", 1, 1, 1.6)]
+  runs += [run("flashffn_h128", lr, 0, 1.6 + lr / 10) for lr in (1, 2, 3)]
+  runs += [run("flashffn_h128", 1, 1, 1.7), run("flashffn_h32", 2, 0, 1.7),
+           run("flashffn_h32", 3, 0, 1.8), run("flashffn_h32", 2, 1, 1.75)]
+  d = {"meta": {"lrs": [1, 2, 3]}, "runs": {f"{i}": r for i, r in enumerate(runs)}}
+  text = report.lm_ffn(d)
+  assert "| `flashffn_h32` | 9 | n/a | - | 1.7000 | 1.8000 | pending |" in text
+  assert "| `flashffn_h32` | 2 (best of 2 run) | 1.7000, 1.7500 |" in text
+  assert "| `flashffn_h32` | -0.0000, +0.0500 | +0.0250 [" in text   # minus width 128 at lr 1
+  d["runs"]["0"]["python"] = "3.11.7"
+  assert "minus `flashffn_h128`" not in report.lm_ffn(d)
+
+
 def test_throughput_interleaves_arms_and_keeps_each_best_round(monkeypatch):
   """`common.throughput`: each arm warmed up (3 steps) and then timed in rounds with the arms
   alternating (so a slow phase of the machine hits every arm), its best round per step; the
