@@ -280,7 +280,7 @@ def repacking(d) -> str:
   lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs.values() if "lr" in r})
   if len(lrs) > 1:  # swept: a sweep table, then every arm at its own best rate
     table, best, _ = _sweep_table(list(runs.values()), lrs, "acc_objects_train_layout",
-                               lower_is_better=False, digits=3)
+                                  lower_is_better=False, digits=3)
     runs, note = _at_chosen_lr(runs, best)
     out += [table, note]
   arms = _by_arm(runs, order)
