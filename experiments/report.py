@@ -212,10 +212,7 @@ def frac_extrapolate(d) -> str:
           if a != "frac" and "frac" in at_best:
             ref = {r["seed"]: metric(r) for r in at_best["frac"] if r.get("extrapolation")}
             diffs = [ref[s] - vals[s] for s in sorted(vals) if ref.get(s) is not None]
-            ci = paired_interval(diffs)
-            cells += [", ".join(f"{x:+.3f}" for x in diffs),
-                      "n/a" if ci["low"] is None else
-                      f"{ci['mean']:+.3f} [{ci['low']:+.3f}, {ci['high']:+.3f}]"]
+            cells += _diff_cells(diffs, 3)
           else:
             cells += ["-", "-"]
           rows.append(cells)
@@ -319,10 +316,7 @@ def repacking(d) -> str:
       for name in ("train_shapes", "unseen_shapes"):
         metric = lambda r: r["eval"][name]["raster_zyx"]["acc_objects"]
         diffs = [metric(r) - metric(ref[r["seed"]]) for r in rs if r["seed"] in ref]
-        ci = paired_interval(diffs)
-        rows.append([f"`{a}`", name.replace("_", " "), ", ".join(f"{x:+.3f}" for x in diffs),
-                     "n/a" if ci["low"] is None else
-                     f"{ci['mean']:+.3f} [{ci['low']:+.3f}, {ci['high']:+.3f}]"])
+        rows.append([f"`{a}`", name.replace("_", " ")] + _diff_cells(diffs, 3))
     if rows:
       out.append(f"Object accuracy (raster_zyx) minus `{base}`'s, same seed; 95% t interval "
                  "over the seeds\n\n" + _table(["arm", "shapes", "per seed",
@@ -413,13 +407,17 @@ def _sweep_table(runs: list, lrs, metric: str, lower_is_better: bool, digits: in
   return table, best, partial
 
 
-def _paired(by_seed: dict, ref: dict, digits: int) -> list[str]:
-  """[per-seed differences, "mean [95% interval]"] of by_seed minus ref over their seeds."""
-  diffs = [by_seed[s] - ref[s] for s in sorted(by_seed) if s in ref]
+def _diff_cells(diffs: list, digits: int) -> list[str]:
+  """Two table cells for paired differences: the per-seed values and "mean [95% interval]"."""
   ci = paired_interval(diffs)
   interval = ("n/a" if ci["low"] is None else
               f"{ci['mean']:+.{digits}f} [{ci['low']:+.{digits}f}, {ci['high']:+.{digits}f}]")
   return [", ".join(f"{x:+.{digits}f}" for x in diffs), interval]
+
+
+def _paired(by_seed: dict, ref: dict, digits: int) -> list[str]:
+  """`_diff_cells` of by_seed minus ref over the seeds both have."""
+  return _diff_cells([by_seed[s] - ref[s] for s in sorted(by_seed) if s in ref], digits)
 
 
 def sweep(d, metric: str, reference: str, *, against: tuple = (), lower_is_better: bool = True,
