@@ -21,6 +21,7 @@ from models import FlashFFN, SwiGLU
 from models.flash_ffn import flashffn_param_count, heads_and_router
 from pallas_kernels import flash_ffn as kernel
 from pallas_kernels.dispatch import mosaic_gpu_available
+from pallas_kernels.flash_ffn import tiles
 from tests import kernel_checks
 from tests.layer_formula_checks import (P, build, close, normal, randomize, rms_norm,
                                          run, sigmoid, silu, stats_match)
@@ -126,6 +127,38 @@ def test_mosaic_gpu_shapes(shape, dtype):
 def test_mosaic_flat_token_layout():
   """d_h = 128 lets Mosaic read q blocks straight from [T, H * d_h] (no head transpose)."""
   check_against_reference("mosaic", jnp.float32, shape=(1, 21, 2, 128, 2, 16))
+
+
+# The Mosaic kernels' loop forms: (shape, blocks, VMEM budget or None for the chip's).
+MOSAIC_LOOPS = {
+    # d_h and block_inter multiples of 128: dK, dU, dV accumulate transposed; d_e = 136
+    # in two 128-row tiles, the second partial.
+    "transposed-grads": ((1, 37, 2, 128, 2, 136), dict(block_q=128, block_inter=128), None),
+    # five d_e tiles per expert: a loop instead of unrolled tiles, with transposed grads
+    # (lane-offset slices) and without.
+    "tile-loop-transposed": ((1, 21, 1, 128, 2, 640), dict(block_q=128, block_inter=128),
+                             None),
+    "tile-loop": ((2, 19, 2, 16, 2, 80), dict(block_q=128, block_inter=16), None),
+    # a head's tables over the budget: 9 experts in two groups of 8 (the second 1 + 7
+    # padding), the forward reducing over groups, the backward's per-group dq summed.
+    "expert-groups": ((1, 150, 2, 16, 9, 24), dict(block_q=128, block_inter=8,
+                                                   block_q_dkv=128), 1),
+}
+
+
+@pytest.mark.parametrize("case", list(MOSAIC_LOOPS))
+def test_mosaic_loop_forms(case, monkeypatch):
+  """Each of the Mosaic kernels' loop forms against the reference (f32, grads included)."""
+  shape, blocks, budget = MOSAIC_LOOPS[case]
+  if budget is not None:
+    monkeypatch.setattr(tiles, "mosaic_vmem_limit", lambda: budget)
+  plan = tiles.TilePlan.make("mosaic", kernel.BlockSizes(**blocks),
+                             jnp.zeros(shape[:4]), jnp.zeros((shape[2], *shape[4:], shape[3])))
+  assert plan.groups == (2 if case == "expert-groups" else 1)
+  name = f"mosaic-{case}"
+  monkeypatch.setitem(PATHS, name, functools.partial(kernel.mhffn, interpret=True,
+                                                     backend="mosaic", **blocks))
+  check_against_reference(name, jnp.float32, shape=shape)
 
 
 def test_reference_equals_literal_loop():

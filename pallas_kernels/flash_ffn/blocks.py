@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.dispatch import Backend, tuned
+from pallas_kernels.dispatch import Backend, current_chip, tuned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +72,14 @@ TUNED = {
     ("mosaic_gpu", "gpu-b200", "bfloat16"): BlockSizes(block_q=128, block_inter=32,
                                                        block_q_dkv=32, num_stages=2),
 }
+
+# VMEM per TensorCore (jax's `tpu_info`): the Mosaic kernels ask for half of it as their
+# scoped limit and size their expert groups to fit it (`tiles.mosaic_experts_per_step`). An
+# unknown TPU is taken to have the smallest, v4's.
+TPU_VMEM = {"tpu-v5e": 128 * 2**20, "tpu-v6e": 128 * 2**20}
+_SMALLEST_TPU_VMEM = 16 * 2**20
+
+
+def mosaic_vmem_limit() -> int:
+  """The scoped-VMEM limit (bytes) of the Mosaic kernels on the chip being compiled for."""
+  return TPU_VMEM.get(current_chip(), _SMALLEST_TPU_VMEM) // 2

@@ -1,5 +1,33 @@
-"""FlashFFN on TPU (Mosaic): the reduction over (expert, d_e tile) is the trailing
-"arbitrary" grid axes, accumulated in float32 VMEM scratch."""
+"""FlashFFN on TPU (Mosaic): one grid step per (head, token tile, expert group).
+
+A step holds a whole expert group's tables in VMEM (normally every expert of the head, so
+a head's tables are read from HBM once: a block whose index does not change between steps
+is not fetched again) and walks its (expert, d_e tile) pairs in an unrolled loop. A grid
+step costs ~600-1,200 cycles of its own in libtpu's static schedule, so one step per
+(expert, d_e tile) paid it 11x per token tile at the paper's shape (~51% of the v5e MXU
+peak, against ~94% now: benchmarks/README.md, `make perf-tpu`).
+
+Tiles are [bq tokens, bi table rows]: the scores q K^T contract both operands' minor dim
+and o += a V is a plain product, the two forms the MXU takes without a transpose. The
+router block is [E, bq] (tokens on lanes, see `tiles.TilePlan`), turned into per-expert
+columns once per token tile.
+
+The backward is one kernel of 8 matmul units per tile (recompute m = q K^T, n = q U^T and
+da = ds V^T; dq = dm K + dn U; dK, dU, dV) whose grid runs the token tiles innermost: dq
+and dr of a token tile are complete when its step ends, and dK, dU, dV accumulate in VMEM
+across the token tiles. Where d_h and bi are multiples of 128 (the paper's shapes) they
+accumulate transposed, dK^T += q^T dm, again a plain product (q^T and ds^T are transposed
+once per token tile, the accumulators once per head); otherwise as dm^T q, a transposed
+operand Mosaic lowers itself.
+
+silu(m) = m sigmoid(m) with sigmoid(m) = (1 + tanh(m / 2)) / 2 (`tiles.tanh_sigmoid`):
+exact, and one transcendental per element where exp and a reciprocal are two.
+
+When a head's tables exceed the VMEM budget (`tiles.mosaic_experts_per_step`), experts come
+in groups of a multiple of 8 (the router block's sublane rows): the forward reduces over the
+groups in an "arbitrary" grid axis, and the backward writes one float32 dq per group,
+summed in XLA.
+"""
 
 from __future__ import annotations
 
@@ -10,119 +38,185 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.flash_ffn.tiles import Orientation, TilePlan
+from jaxops.tiling import dot, dot_nt, dot_tn, round_up
+from pallas_kernels.flash_ffn.blocks import mosaic_vmem_limit
+from pallas_kernels.flash_ffn.tiles import (TilePlan, activation_grads, tanh_sigmoid,
+                                             weighted_activation)
 
 _F32 = jnp.float32
+# d_e tiles of one expert unrolled up to this many; longer loops keep one body.
+_UNROLL = 4
 
 
-def _fwd_kernel(q_ref, r_ref, k_ref, u_ref, v_ref, o_ref, acc_ref, *, orient: Orientation):
-  e, c = pl.program_id(2), pl.program_id(3)
+def _transposed_grads(plan: TilePlan) -> bool:
+  """Whether dK, dU, dV accumulate as [d_h, rows] tiles (lane-aligned transposes)."""
+  return plan.d_h % 128 == 0 and plan.blocks.block_inter % 128 == 0
 
-  @pl.when((e == 0) & (c == 0))
+
+def _router_columns(r):
+  """Router block [rows, bq] -> float32 [bq, rows padded to 8] (aligned for the transpose)."""
+  pad = round_up(r.shape[0], 8) - r.shape[0]
+  if pad:
+    r = jnp.concatenate([r, jnp.zeros((pad, r.shape[1]), r.dtype)], axis=0)
+  return r.astype(_F32).T
+
+
+def _router_rows(columns, rows: int):
+  """Per-expert columns [bq, 1] -> the router block's form [rows, bq]."""
+  pad = round_up(rows, 8) - len(columns)
+  block = jnp.concatenate(columns + [jnp.zeros_like(columns[0])] * pad, axis=1)
+  return block.T[:rows]
+
+
+def _over_tiles(plan: TilePlan, body, carry):
+  """carry <- body(rows, carry) over one expert's d_e tiles (`rows` a pl.ds of table rows):
+  unrolled up to _UNROLL tiles, else a loop."""
+  bi = plan.blocks.block_inter
+  tiles = plan.d_e // bi
+  if tiles <= _UNROLL:
+    for c in range(tiles):
+      carry = body(pl.ds(c * bi, bi), carry)
+    return carry
+  return jax.lax.fori_loop(
+      0, tiles, lambda c, carry: body(pl.ds(pl.multiple_of(c * bi, bi), bi), carry), carry)
+
+
+def _fwd_kernel(q_ref, r_ref, k_ref, u_ref, v_ref, o_ref, acc_ref, *, plan: TilePlan):
+  g = pl.program_id(2)
+
+  @pl.when(g == 0)
   def _():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  acc_ref[...] += orient.forward(q_ref[...], orient.router_weights(r_ref[...], e), k_ref[...],
-                                 u_ref[...], v_ref[...])
+  q, r = q_ref[...], _router_columns(r_ref[...])
+  for e in range(plan.experts_per_step):
+    def tile(rows, carry, e=e):
+      k, u, v = k_ref[e, rows, :], u_ref[e, rows, :], v_ref[e, rows, :]
+      a = weighted_activation(dot_nt(q, k), dot_nt(q, u), r[:, e:e + 1],
+                              sigmoid=tanh_sigmoid)
+      acc_ref[...] += dot(a.astype(v.dtype), v)
+      return carry
+    _over_tiles(plan, tile, ())
 
-  @pl.when((e == pl.num_programs(2) - 1) & (c == pl.num_programs(3) - 1))
+  @pl.when(g == pl.num_programs(2) - 1)
   def _():
     o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _dq_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dq_ref, dr_ref, dq_acc, dr_acc, *,
-               orient: Orientation):
-  e, c = pl.program_id(2), pl.program_id(3)
-
-  @pl.when((e == 0) & (c == 0))
-  def _():
-    dq_acc[...] = jnp.zeros_like(dq_acc)
-    dr_acc[...] = jnp.zeros_like(dr_acc)
-
-  r = r_ref[...]
-  dq, dr_e = orient.dq_dr(q_ref[...], orient.router_weights(r, e), ds_ref[...], k_ref[...],
-                          u_ref[...], v_ref[...])
-  dq_acc[...] += dq
-  dr_acc[...] += dr_e * orient.onehot(e, r.shape)
-
-  @pl.when((e == pl.num_programs(2) - 1) & (c == pl.num_programs(3) - 1))
-  def _():
-    dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
-    dr_ref[...] = dr_acc[...]
-
-
-def _dkuv_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dk_ref, du_ref, dv_ref,
-                 dk_acc, du_acc, dv_acc, *, orient: Orientation):
-  e, i = pl.program_id(1), pl.program_id(3)
+def _bwd_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dq_ref, dr_ref, dk_ref, du_ref,
+                dv_ref, dk_acc, du_acc, dv_acc, *, plan: TilePlan):
+  i = pl.program_id(2)
+  accs, outs = (dk_acc, du_acc, dv_acc), (dk_ref, du_ref, dv_ref)
 
   @pl.when(i == 0)
   def _():
-    for acc in (dk_acc, du_acc, dv_acc):
+    for acc in accs:
       acc[...] = jnp.zeros_like(acc)
 
-  grads = orient.dkuv(q_ref[...], orient.router_weights(r_ref[...], e), ds_ref[...],
-                      k_ref[...], u_ref[...], v_ref[...])
-  for acc, g in zip((dk_acc, du_acc, dv_acc), grads):
-    acc[...] += g
+  q, ds, r = q_ref[...], ds_ref[...], _router_columns(r_ref[...])
+  transposed = _transposed_grads(plan)
+  if transposed:
+    q_t, ds_t = q.T, ds.T
+  dq = jnp.zeros(q.shape, _F32)
+  dr = []
+  for e in range(plan.experts_per_step):
+    r_e = r[:, e:e + 1]
 
-  @pl.when(i == pl.num_programs(3) - 1)
+    def tile(rows, carry, e=e, r_e=r_e):
+      dq, dr_e = carry
+      k, u, v = k_ref[e, rows, :], u_ref[e, rows, :], v_ref[e, rows, :]
+      m, n, da = dot_nt(q, k), dot_nt(q, u), dot_nt(ds, v)
+      a, dm, dn = activation_grads(m, n, da, r_e, sigmoid=tanh_sigmoid)
+      dr_e = dr_e + jnp.sum(da * a, axis=1, keepdims=True)
+      dm, dn, ra = dm.astype(q.dtype), dn.astype(q.dtype), (r_e * a).astype(ds.dtype)
+      dq = dq + dot(dm, k) + dot(dn, u)
+      if transposed:
+        for acc, x_t, y in ((dk_acc, q_t, dm), (du_acc, q_t, dn), (dv_acc, ds_t, ra)):
+          acc[e, :, rows] += dot(x_t, y)
+      else:
+        for acc, y, x in ((dk_acc, dm, q), (du_acc, dn, q), (dv_acc, ra, ds)):
+          acc[e, rows, :] += dot_tn(y, x)
+      return dq, dr_e
+
+    dq, dr_e = _over_tiles(plan, tile, (dq, jnp.zeros((q.shape[0], 1), _F32)))
+    dr.append(dr_e)
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dr_ref[...] = _router_rows(dr, dr_ref.shape[0])
+
+  @pl.when(i == pl.num_programs(2) - 1)
   def _():
-    for ref, acc in ((dk_ref, dk_acc), (du_ref, du_acc), (dv_ref, dv_acc)):
-      ref[...] = acc[...].astype(ref.dtype)
+    for out, acc in zip(outs, accs):
+      for e in range(plan.experts_per_step):
+        grad = acc[e]
+        out[e] = (grad.T if transposed else grad).astype(out.dtype)
 
 
-def _params(*semantics):
-  return pltpu.CompilerParams(dimension_semantics=semantics)
+def _params(plan: TilePlan, *semantics):
+  return pltpu.CompilerParams(dimension_semantics=semantics,
+                              vmem_limit_bytes=mosaic_vmem_limit())
+
+
+def _router_block(plan: TilePlan, tokens: int, where):
+  """Router / dr blocks [experts of the group, tokens] of [H, E, T]; where(*grid) -> (h, g, i)."""
+  rows = plan.experts_per_step if plan.groups > 1 else plan.experts_pad
+  return pl.BlockSpec((None, rows, tokens), lambda *grid: where(*grid))
+
+
+def _table_block(plan: TilePlan, where):
+  """One expert group's tables [E_t, d_e, d_h]; where(*grid) -> (h, g)."""
+  return pl.BlockSpec((None, plan.experts_per_step, plan.d_e, plan.d_h),
+                      lambda *grid: (*where(*grid), 0, 0))
 
 
 def forward(plan: TilePlan, q, r, k, u, v, interpret):
-  bq, bi = plan.blocks.block_q, plan.blocks.block_inter
-  tok = lambda h, i, e, c: (h, i)
-  tab = lambda h, i, e, c: (h, e, c)
+  bq = plan.blocks.block_q
+  tok = lambda h, i, g: (h, i)
   return pl.pallas_call(
-      functools.partial(_fwd_kernel, orient=plan.orient),
-      grid=(plan.heads, plan.tokens // bq, plan.experts, plan.d_e // bi),
-      in_specs=[plan.token_spec(bq, tok), plan.router_spec(bq, tok, plan.orient)]
-      + [plan.table_spec(bi, tab)] * 3,
+      functools.partial(_fwd_kernel, plan=plan),
+      grid=(plan.heads, plan.tokens // bq, plan.groups),
+      in_specs=[plan.token_spec(bq, tok), _router_block(plan, bq, lambda h, i, g: (h, g, i))]
+      + [_table_block(plan, lambda h, i, g: (h, g))] * 3,
       out_specs=plan.token_spec(bq, tok),
       out_shape=plan.token_shape(q.dtype),
       scratch_shapes=[pltpu.VMEM((bq, plan.d_h), _F32)],
-      compiler_params=_params("parallel", "parallel", "arbitrary", "arbitrary"),
+      compiler_params=_params(plan, "parallel", "parallel", "arbitrary"),
       interpret=interpret,
       name="flash_ffn_fwd",
   )(q, r, k, u, v)
 
 
+def _group_token_spec(plan: TilePlan, rows: int):
+  """Per-group float32 dq partials [G, T, H d_h] (flat) or [G, H, T, d_h]; grid (h, g, i)."""
+  if plan.flat:
+    return pl.BlockSpec((None, rows, plan.d_h), lambda h, g, i: (g, i, h))
+  return pl.BlockSpec((None, None, rows, plan.d_h), lambda h, g, i: (g, h, i, 0))
+
+
 def backward(plan: TilePlan, q, r, r_dkuv, k, u, v, ds, interpret):
-  bq, bi, bk = plan.blocks.block_q, plan.blocks.block_inter, plan.blocks.block_q_dkv
-  tok = lambda h, i, e, c: (h, i)
-  tab = lambda h, i, e, c: (h, e, c)
-  dq, dr = pl.pallas_call(
-      functools.partial(_dq_kernel, orient=plan.orient),
-      grid=(plan.heads, plan.tokens // bq, plan.experts, plan.d_e // bi),
-      in_specs=[plan.token_spec(bq, tok), plan.router_spec(bq, tok, plan.orient), plan.token_spec(bq, tok)]
-      + [plan.table_spec(bi, tab)] * 3,
-      out_specs=[plan.token_spec(bq, tok), plan.router_spec(bq, tok, plan.orient)],
-      out_shape=[plan.token_shape(q.dtype), plan.router_shape()],
-      scratch_shapes=[pltpu.VMEM((bq, plan.d_h), _F32),
-                      pltpu.VMEM(plan.router_shape().shape[1:2] + (bq,), _F32)],
-      compiler_params=_params("parallel", "parallel", "arbitrary", "arbitrary"),
+  """(dq, dr, dk, du, dv) in the kernel layout; r_dkuv is r (one router layout on TPU)."""
+  del r_dkuv
+  bk, groups = plan.blocks.block_q_dkv, plan.groups
+  tok = lambda h, g, i: (h, i)
+  table = _table_block(plan, lambda h, g, i: (h, g))
+  scratch = (plan.experts_per_step,) + ((plan.d_h, plan.d_e) if _transposed_grads(plan)
+                                        else (plan.d_e, plan.d_h))
+  if groups == 1:
+    dq_spec, dq_shape = plan.token_spec(bk, tok), plan.token_shape(q.dtype)
+  else:
+    dq_spec = _group_token_spec(plan, bk)
+    dq_shape = jax.ShapeDtypeStruct((groups,) + plan.token_shape(q.dtype).shape, _F32)
+  dq, dr, dk, du, dv = pl.pallas_call(
+      functools.partial(_bwd_kernel, plan=plan),
+      grid=(plan.heads, groups, plan.tokens // bk),
+      in_specs=[plan.token_spec(bk, tok), _router_block(plan, bk, lambda h, g, i: (h, g, i)),
+                plan.token_spec(bk, tok), table, table, table],
+      out_specs=[dq_spec, _router_block(plan, bk, lambda h, g, i: (h, g, i))] + [table] * 3,
+      out_shape=[dq_shape, plan.router_shape()] + [plan.table_shape(k.dtype)] * 3,
+      scratch_shapes=[pltpu.VMEM(scratch, _F32)] * 3,
+      compiler_params=_params(plan, "parallel", "parallel", "arbitrary"),
       interpret=interpret,
-      name="flash_ffn_bwd_dq",
+      name="flash_ffn_bwd",
   )(q, r, ds, k, u, v)
-  # Grid (h, e, c, i): the token axis i is the reduction.
-  tok = lambda h, e, c, i: (h, i)
-  tab = lambda h, e, c, i: (h, e, c)
-  dk, du, dv = pl.pallas_call(
-      functools.partial(_dkuv_kernel, orient=plan.orient_dkuv),
-      grid=(plan.heads, plan.experts, plan.d_e // bi, plan.tokens // bk),
-      in_specs=[plan.token_spec(bk, tok), plan.router_spec(bk, tok, plan.orient_dkuv), plan.token_spec(bk, tok)]
-      + [plan.table_spec(bi, tab)] * 3,
-      out_specs=[plan.table_spec(bi, tab)] * 3,
-      out_shape=[plan.table_shape(k.dtype)] * 3,
-      scratch_shapes=[pltpu.VMEM((bi, plan.d_h), _F32)] * 3,
-      compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
-      interpret=interpret,
-      name="flash_ffn_bwd_dkuv",
-  )(q, r_dkuv, ds, k, u, v)
+  if groups > 1:
+    dq = jnp.sum(dq, axis=0).astype(q.dtype)
   return dq, dr, dk, du, dv

@@ -27,22 +27,28 @@ from jax.experimental import pallas as pl
 
 from jaxops.tiling import dot, dot_nt, dot_tn, next_pow2, round_up
 from pallas_kernels.dispatch import BLACKWELL, HOPPER, Backend
-from pallas_kernels.flash_ffn.blocks import BlockSizes
+from pallas_kernels.flash_ffn.blocks import BlockSizes, mosaic_vmem_limit
 from pallas_kernels.mosaic_gpu_common import blackwell
 
 _F32 = jnp.float32
 
 
-def weighted_activation(m, n, r_e):
+def tanh_sigmoid(x):
+  """sigmoid(x) = (1 + tanh(x / 2)) / 2: exact, and one transcendental per element where
+  jax.nn.sigmoid lowers to an exp and a reciprocal (the TPU kernels' VPU/EUP budget)."""
+  return 0.5 + 0.5 * jnp.tanh(0.5 * x)
+
+
+def weighted_activation(m, n, r_e, sigmoid=jax.nn.sigmoid):
   """r_e silu(m) n: one tile's weighted activation from its gate and up scores, float32."""
-  return m * jax.nn.sigmoid(m) * n * r_e
+  return m * sigmoid(m) * n * r_e
 
 
-def activation_grads(m, n, da, r_e):
+def activation_grads(m, n, da, r_e, sigmoid=jax.nn.sigmoid):
   """(a, dm, dn) of one tile from its scores m, n and the activation's cotangent da, float32.
 
   a = silu(m) n is unweighted (dr_e = rowsum(da a)); dm and dn include the weight r_e."""
-  sig = jax.nn.sigmoid(m)
+  sig = sigmoid(m)
   silu = m * sig
   g = r_e * da
   return silu * n, g * n * sig * (1.0 + m * (1.0 - sig)), g * silu
@@ -175,12 +181,41 @@ def _fit_tokens(backend: Backend, name: str, block: int, tokens: int) -> int:
       raise ValueError(f"mhffn: Triton block size `{name}` must be a power of two >= 16, "
                        f"got {block}")
     return min(block, next_pow2(tokens))
-  if round_up(tokens, 8) <= block:  # one tile holds every token: any multiple of 8
-    return round_up(tokens, 8)
   if block % 128:
     raise ValueError(f"mhffn: Mosaic block size `{name}` must be a multiple of 128 (tokens "
                      f"are the router block's lane axis), got {block}")
-  return block
+  return min(block, round_up(tokens, 128))
+
+
+def mosaic_vmem_bytes(experts: int, d_e: int, d_h: int, itemsize: int, bq: int, bk: int,
+                      bi: int) -> int:
+  """VMEM the larger Mosaic kernel (the backward) needs with `experts` experts per step.
+
+  Double-buffered blocks: the three tables and their gradients ([experts, d_e, d_h] each),
+  q, ds, dq and the router and dr blocks; float32 scratch: the gradient accumulators and
+  about ten [bk, bi] tiles of intermediates (scores, activation, their casts). The forward
+  holds the tables and fewer, [bq, bi] tiles.
+  """
+  tables = 3 * experts * d_e * d_h
+  tokens = 3 * bk * d_h * itemsize + 2 * round_up(experts, 8) * bk * 4
+  backward = (4 * tables * itemsize + 4 * tables + 2 * tokens + 10 * bk * bi * 4
+              + 3 * bk * d_h * 4)
+  forward = 2 * tables * itemsize + 4 * bq * d_h * itemsize + 6 * bq * bi * 4
+  return max(backward, forward)
+
+
+def mosaic_experts_per_step(experts: int, d_e: int, d_h: int, itemsize: int, bq: int, bk: int,
+                            bi: int) -> int:
+  """E if a head's tables fit the chip's VMEM budget (`blocks.mosaic_vmem_limit`), else the
+  largest multiple of 8 (a router block's sublane rows) that fits, at least 8."""
+  budget = mosaic_vmem_limit()
+  if experts <= 8 or mosaic_vmem_bytes(experts, d_e, d_h, itemsize, bq, bk, bi) <= budget:
+    return experts
+  group = 8
+  while (group + 8 < experts
+         and mosaic_vmem_bytes(group + 8, d_e, d_h, itemsize, bq, bk, bi) <= budget):
+    group += 8
+  return group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +231,8 @@ class TilePlan:
   d_e: int           # padded to a multiple of block_inter and rows_dkuv
   rows_dkuv: int     # table rows per dK/dU/dV program (block_inter; Mosaic GPU: >= 64 on
                      # Hopper, exactly 128 on Blackwell)
+  experts_per_step: int  # Mosaic: the experts whose tables one grid step holds (all of
+                         # them, or a multiple of 8); the other backends: E
   flat: bool
   orient: Orientation        # forward and dq kernels
   orient_dkuv: Orientation   # dK/dU/dV kernel
@@ -233,12 +270,16 @@ class TilePlan:
                          f"{' on Blackwell' if blackwell() else ''}, got {d_h}")
       experts_pad, flat = experts, width == d_h
     else:
-      bi = min(blocks.block_inter, d_e)
+      bi = min(blocks.block_inter, round_up(d_e, 8))
       if bi % 8:
         raise ValueError(f"mhffn: Mosaic block size `block_inter` must be a multiple of 8, "
                          f"got {blocks.block_inter}")
-      width, experts_pad = padded_d_h(backend, d_h, q.dtype), experts
-      flat = d_h % 128 == 0 or heads == 1
+      width, flat = padded_d_h(backend, d_h, q.dtype), d_h % 128 == 0 or heads == 1
+      group = mosaic_experts_per_step(experts, round_up(d_e, bi), width,
+                                      jnp.dtype(q.dtype).itemsize, bq, bk, bi)
+      experts_pad = round_up(experts, group)
+    if backend != "mosaic":
+      group = experts
     if backend != "mosaic_gpu":
       rows_dkuv = bi
     tile = max(bq, bk)
@@ -246,7 +287,7 @@ class TilePlan:
       raise ValueError(f"mhffn: block_q ({bq}) and block_q_dkv ({bk}) must divide one another")
     return cls(dataclasses.replace(blocks, block_q=bq, block_inter=bi, block_q_dkv=bk), heads,
                round_up(tokens, tile), width, experts, experts_pad,
-               round_up(d_e, rows_dkuv), rows_dkuv, flat,
+               round_up(d_e, rows_dkuv), rows_dkuv, group, flat,
                Orientation(transposed=backend != "triton"), Orientation(transposed=True))
 
   # Array layout in and out of the kernels.
@@ -280,12 +321,24 @@ class TilePlan:
     dr = dr if self.orient.transposed else jnp.swapaxes(dr, 1, 2)
     return jnp.transpose(dr[:, :e, :b * l], (2, 0, 1)).reshape(shape)
 
+  @property
+  def table_experts(self) -> int:
+    """Experts of the tables as the kernels see them: E padded to whole expert groups."""
+    return round_up(self.experts, self.experts_per_step)
+
+  @property
+  def groups(self) -> int:
+    """Mosaic: expert groups (grid steps) per (head, token tile); 1 when a head's tables
+    fit in VMEM."""
+    return self.table_experts // self.experts_per_step
+
   def table_in(self, t):
-    return jnp.pad(t, ((0, 0), (0, 0), (0, self.d_e - t.shape[2]), (0, self.d_h - t.shape[3])))
+    return jnp.pad(t, ((0, 0), (0, self.table_experts - t.shape[1]),
+                       (0, self.d_e - t.shape[2]), (0, self.d_h - t.shape[3])))
 
   @staticmethod
   def table_out(t, like):
-    return t[:, :, :like.shape[2], :like.shape[3]]
+    return t[:, :like.shape[1], :like.shape[2], :like.shape[3]]
 
   def token_shape(self, dtype):
     shape = ((self.tokens, self.heads * self.d_h) if self.flat
@@ -299,7 +352,7 @@ class TilePlan:
                                 _F32)
 
   def table_shape(self, dtype):
-    return jax.ShapeDtypeStruct((self.heads, self.experts, self.d_e, self.d_h), dtype)
+    return jax.ShapeDtypeStruct((self.heads, self.table_experts, self.d_e, self.d_h), dtype)
 
   # Block specs; `where(*grid) -> (h, i)` or `(h, e, c)` picks the block.
 
