@@ -10,7 +10,8 @@ CONSTRAINTS := constraints/py312-jax012.txt
 LOWEST_CONSTRAINTS := constraints/py311-jax010.txt
 
 .PHONY: setup setup-lowest test test-lowest test-slow mutants demo bench clean aot-setup \
-        compile-check compile-check-tpu compile-check-gpu memory-aot lock
+        compile-check compile-check-tpu compile-check-gpu memory-aot lock perf-tpu \
+        perf-tpu-sweep
 
 setup:
 	@tools/venv.sh $(VENV) 3.12 $(CONSTRAINTS) dev
@@ -67,6 +68,16 @@ compile-check-tpu: setup $(AOT_TPU)
 # TPU rows of the last full run.
 compile-check-gpu: setup $(AOT_GPU)
 	$(PY) -m benchmarks.aot.check --targets=gpu-a100,gpu-h100,gpu-h200,gpu-b200 --merge --readme
+
+# TPU speed without a TPU: libtpu's static cycle estimate of each kernel beside the XLA
+# program it replaces, v5e and v6e (benchmarks/aot/perf.py; ~1-2 h on 2 cores, not in CI);
+# rewrites the table in benchmarks/README.md. perf-tpu-sweep: FlashFFN's block sizes per
+# chip and dtype (benchmarks/aot/perf_sweep.json; blocks.TUNED holds its picks).
+perf-tpu: setup $(AOT_TPU)
+	$(PY) -m benchmarks.aot.perf --readme
+
+perf-tpu-sweep: setup $(AOT_TPU)
+	$(PY) -m benchmarks.aot.perf --sweep
 
 # FlashFFN vs SwiGLU fwd+bwd memory from the TPU and GPU compilers' memory analysis.
 memory-aot: aot-setup

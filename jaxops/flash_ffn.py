@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxops import checks
+from jaxops.rms_norm import rms_normalize_groups
 
 _F32 = jnp.float32
 
@@ -93,6 +94,51 @@ def _mhffn_dense(q, r, k, u, v):
   o = jnp.einsum("htn,hnd->htd", a.reshape(m.shape).astype(v.dtype), flat(v),
                  preferred_element_type=_F32)
   return jnp.moveaxis(o, 0, 1).reshape(*lead, heads, d_h)
+
+
+# The head norm's epsilon (DESIGN.md section 2, step 2).
+NORM_EPS = 1e-6
+
+
+def route_heads(q, router, *, normalize: bool = True):
+  """FlashFFN's head norm and router (DESIGN.md section 2, steps 2-3) on W_in's output.
+
+  q_h <- q_h / sqrt(mean(q_h^2) + 1e-6) if `normalize`;
+  r_h = sigmoid(q_h W_r^h) / max(sum_e sigmoid(q_h W_r^h)_e, 1e-20), float32.
+  q [..., H d_h] (heads side by side, the compute dtype), router [H, d_h, E] ->
+  q_hat [..., H, d_h] in q.dtype, r [..., H, E] float32. A norm gain is the caller's to fold
+  into `router` and the tables.
+
+  Layout-minded for TPU: q stays flat (the norm's statistics are small matmuls,
+  `rms_normalize_groups`) and all heads' logits are one matmul with the block-diagonal
+  [H d_h, H E] router (a batched-over-heads einsum makes XLA transpose q and its gradient to
+  head-major, two extra [L, d] buffers).
+  """
+  heads, d_h, experts = router.shape
+  lead = q.shape[:-1]
+  if normalize:
+    q = rms_normalize_groups(q, heads, NORM_EPS)
+  block_diag = jnp.einsum("hde,hg->hdge", router.astype(_F32),
+                          jnp.eye(heads, dtype=_F32)).reshape(heads * d_h, heads * experts)
+  # The logits accumulate in float32 from q in the compute dtype: a float32 copy of q would
+  # be kept for the router's gradient (an extra [L, d] float32 buffer), and q carries no more
+  # precision than its dtype.
+  z = jnp.dot(q, block_diag.astype(q.dtype), preferred_element_type=_F32)
+  sig = jax.nn.sigmoid(z.reshape(*lead, heads, experts))
+  r = sig / jnp.maximum(jnp.sum(sig, axis=-1, keepdims=True), 1e-20)
+  return q.reshape(*lead, heads, d_h), r
+
+
+def mhffn_routed_reference(q, router, k, u, v, *, normalize: bool = True):
+  """Head norm, router and mixture written out in float32 einsums: q [B, L, H, d_h] (W_in's
+  output), router [H, d_h, E] -> o [B, L, H, d_h] in q.dtype."""
+  q32 = q.astype(_F32)
+  if normalize:
+    q32 = q32 / jnp.sqrt(jnp.mean(q32 * q32, axis=-1, keepdims=True) + NORM_EPS)
+  q_hat = q32.astype(q.dtype)
+  sig = jax.nn.sigmoid(jnp.einsum("blhd,hde->blhe", q_hat.astype(_F32), router.astype(_F32)))
+  r = sig / jnp.maximum(jnp.sum(sig, axis=-1, keepdims=True), 1e-20)
+  return mhffn_reference(q_hat, r, k, u, v)
 
 
 def mhffn(q, r, k, u, v, *, chunk: int = 512):

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxops import checks
 from jaxops import flash_ffn as ffn_ops
-from jaxops.rms_norm import rms_normalize_groups
 from models import impl as impl_table
 from models.impl import Impl, resolve_impl
 from models.partitioning import param, scale
@@ -64,31 +66,10 @@ def flashffn_shape(d_model: int, params: int, *, head_norm: bool = True) -> dict
 
 
 def heads_and_router(x, w_in, router, *, normalize: bool, dtype):
-  """Per-head inputs and router weights of FlashFFN.
-
-  q = x W_in split into heads, q_h <- q_h / rms(q_h) if `normalize`,
-  r_h = sigmoid(q_h W_r^h) / max(sum_e sigmoid(q_h W_r^h)_e, 1e-20) in float32.
-  x [B, L, d], w_in [d, d], router [H, d_h, E] -> q [B, L, H, d_h] (dtype),
-  r [B, L, H, E] (float32). The norm's gain is folded into `router` and the tables by
-  the caller (see `FlashFFN.__call__`).
-  """
-  heads, d_h, experts = router.shape
-  lead = x.shape[:-1]
-  q = x.astype(dtype) @ w_in.astype(dtype)                          # [B, L, H d_h], flat
-  if normalize:
-    q = rms_normalize_groups(q, heads)
-  # All heads' z_h = q_h W_r^h as one plain matmul with the block-diagonal [H d_h, H E]
-  # router: a batched-over-heads einsum makes XLA transpose q and its gradient to
-  # head-major, two extra [L, d] buffers.
-  block_diag = jnp.einsum("hde,hg->hdge", router.astype(jnp.float32),
-                          jnp.eye(heads, dtype=jnp.float32)).reshape(heads * d_h, heads * experts)
-  # The logits accumulate in float32 from q in the compute dtype: a float32 copy of q
-  # would be kept for the router weights' gradient (an extra [L, d] float32 buffer, 64 MiB
-  # at 16k tokens of the 370M layer), and q carries no more precision than its dtype.
-  z = jnp.dot(q, block_diag.astype(q.dtype), preferred_element_type=jnp.float32)
-  sig = jax.nn.sigmoid(z.reshape(*lead, heads, experts))
-  r = sig / jnp.maximum(jnp.sum(sig, axis=-1, keepdims=True), 1e-20)
-  return q.reshape(*lead, heads, d_h), r
+  """Per-head inputs and router weights of FlashFFN: `jaxops.flash_ffn.route_heads` on
+  x W_in. x [B, L, d], w_in [d, d], router [H, d_h, E] -> q [B, L, H, d_h] (dtype),
+  r [B, L, H, E] (float32)."""
+  return ffn_ops.route_heads(x.astype(dtype) @ w_in.astype(dtype), router, normalize=normalize)
 
 
 def _xavier(gain: float):
@@ -197,12 +178,62 @@ class FlashFFN(nnx.Module):
     """x [B, L, d] -> [B, L, d] in the compute dtype."""
     checks.sequence("FlashFFN", "x", x, self.w_in.shape[0])
     dtype = self.dtype or x.dtype
-    router, k, u, v = self._folded(dtype)
-    q, r = heads_and_router(x, self.w_in[...], router, normalize=self.norm_gain is not None,
-                            dtype=dtype)
-    o = impl_table.call("flash_ffn", self.impl, q, r, k, u, v, chunk=self.chunk,
-                        interpret=self.interpret)
-    return o.reshape(x.shape[:-1] + (-1,)) @ self.w_out[...].astype(dtype)
+    cfg = _Mixture(self.norm_gain is not None, self.impl, self.chunk, self.interpret)
+    return _ordered_layer(x.astype(dtype), self.w_in[...].astype(dtype),
+                          *self._folded(dtype), self.w_out[...].astype(dtype), cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mixture:
+  """How `_ordered_layer` runs the mixture: head norm on or off, and the op's implementation
+  (`models.impl`) with its chunk and interpret options."""
+
+  normalize: bool
+  impl: str
+  chunk: int | None
+  interpret: object
+
+  def __call__(self, q, router, k, u, v):
+    """W_in's output q [B, L, d] -> the mixture's output [B, L, d]."""
+    # d_h from the router: under shard_map the layer sees its local heads only.
+    o = impl_table.call("flash_ffn_routed", self.impl,
+                        q.reshape(*q.shape[:-1], -1, router.shape[1]), router, k, u, v,
+                        chunk=self.chunk, interpret=self.interpret, normalize=self.normalize)
+    return o.reshape(q.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _ordered_layer(x, w_in, router, k, u, v, w_out, mixture: _Mixture):
+  """y = mixture(x W_in) W_out with a backward that frees the mixture's output early.
+
+  Kept for the backward: x, q = x W_in and the mixture's output o (and the weights); the op
+  keeps only its inputs and recomputes its head norm and router. The backward computes dW_out
+  and o's cotangent first, so o is dead before the op's backward runs, which then holds two
+  [L, d] buffers beside the tables: q, and o's cotangent (the Mosaic kernel overwrites it with
+  dq). Plain autodiff leaves that order to XLA, which at 32k float32 tokens kept o alive
+  through the op's backward (benchmarks/README.md, FlashFFN memory).
+  """
+  return _layer_fwd(x, w_in, router, k, u, v, w_out, mixture)[0]
+
+
+def _layer_fwd(x, w_in, router, k, u, v, w_out, mixture):
+  q = x @ w_in
+  o = mixture(q, router, k, u, v)
+  return o @ w_out, (x, w_in, router, k, u, v, w_out, q, o)
+
+
+def _layer_bwd(mixture, residuals, dy):
+  x, w_in, router, k, u, v, w_out, q, o = residuals
+  do, dw_out = jax.vjp(jnp.matmul, o, w_out)[1](dy)
+  # The op's backward waits for dW_out (the barrier), so o is freed before it starts.
+  q, do, dw_out = jax.lax.optimization_barrier((q, do, dw_out))
+  # The op's forward traced here is unused (XLA removes it): only its backward runs.
+  dq, drouter, dk, du, dv = jax.vjp(mixture, q, router, k, u, v)[1](do)
+  dx, dw_in = jax.vjp(jnp.matmul, x, w_in)[1](dq)
+  return dx, dw_in, drouter, dk, du, dv, dw_out
+
+
+_ordered_layer.defvjp(_layer_fwd, _layer_bwd)
 
 
 class SwiGLU(nnx.Module):

@@ -56,7 +56,7 @@ def resolve_impl(owner: str, impl: str, *, has_kernel: bool = True) -> str:
 # The XLA paths' default chunks: tokens per step (flash_ffn), scan chunk length (frac_scan),
 # query cubes per step (pack3d). The kernels take their chunks from their tuned block tables
 # unless a layer sets one.
-CHUNKS = {"flash_ffn": 512, "frac_scan": 64, "pack3d": 16}
+CHUNKS = {"flash_ffn": 512, "flash_ffn_routed": 512, "frac_scan": 64, "pack3d": 16}
 
 
 def _pack3d_kernel(q, k, v, coords, field_ids, *, chunk, interpret, gates=None, **options):
@@ -74,6 +74,11 @@ def _pack3d_reference(q, k, v, coords, field_ids, *, chunk, interpret, max_cubes
   return pack3d_ops.pack3d_attention_reference(q, k, v, coords, field_ids, **options)
 
 
+def _routed(q, w_r, normalize):
+  """(q_hat, r) of `ffn_ops.route_heads` for q [B, L, H, d_h]."""
+  return ffn_ops.route_heads(q.reshape(*q.shape[:2], -1), w_r, normalize=normalize)
+
+
 # op -> impl -> fn(*arrays, chunk=, interpret=, **options). chunk is the layer's (None: the
 # kernel's own tiles, or CHUNKS[op] on the XLA path).
 OPS = {
@@ -81,6 +86,15 @@ OPS = {
         "pallas": lambda *a, chunk, interpret: ffn_kernel.mhffn(*a, interpret=interpret),
         "xla": lambda *a, chunk, interpret: ffn_ops.mhffn(*a, chunk=chunk),
         "reference": lambda *a, chunk, interpret: ffn_ops.mhffn_reference(*a),
+    },
+    # FlashFFN's head norm, router and mixture from W_in's output (the layer's op).
+    "flash_ffn_routed": {
+        "pallas": lambda *a, chunk, interpret, normalize: ffn_kernel.mhffn_routed(
+            *a, normalize=normalize, interpret=interpret),
+        "xla": lambda q, w_r, *t, chunk, interpret, normalize: ffn_ops.mhffn(
+            *_routed(q, w_r, normalize), *t, chunk=chunk),
+        "reference": lambda q, w_r, *t, chunk, interpret, normalize: ffn_ops.mhffn_reference(
+            *_routed(q, w_r, normalize), *t),
     },
     "frac_scan": {
         "pallas": lambda *a, chunk, interpret: frac_kernel.frac_scan(

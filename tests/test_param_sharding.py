@@ -135,7 +135,7 @@ def _kernel_case(kind):
     model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=16, ffn="flashffn",
                           ffn_options={"num_heads": 2, "num_experts": 2, "d_expert": 16},
                           impl="pallas", rngs=nnx.Rngs(0))
-    return model, (tokens,), (flash_ffn, "mhffn")
+    return model, (tokens,), (flash_ffn, "mhffn_routed")
   if kind == "frac":
     model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=16, mixer="frac",
                           mixer_options={"head_dim": 16, "state_dim": 8, "chunk": 8},
@@ -194,8 +194,8 @@ def test_heads_the_tensor_axis_does_not_divide_run_replicated_on_a_sequence_spli
                         impl="pallas",
                         rngs=nnx.Rngs(0))
   tokens = jnp.arange(4 * 16).reshape(4, 16) % 256
-  seen, original = [], flash_ffn.mhffn
-  monkeypatch.setattr(flash_ffn, "mhffn",
+  seen, original = [], flash_ffn.mhffn_routed
+  monkeypatch.setattr(flash_ffn, "mhffn_routed",
                       lambda q, *a, **k: seen.append(q.shape) or original(q, *a, **k))
   step = nnx.jit(lambda m: nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(tokens))))(m))
   expected = step(model)

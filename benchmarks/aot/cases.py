@@ -7,6 +7,8 @@ dtype. Shapes are the paper's and the configs' (the ones a user runs):
   flash_ffn  370m   the paper's 370M layer, 16k tokens: B=1 L=16384 H=8 d_h=128 E=11 d_e=256
              lm     configs/lm_default.py: B=8 L=128 H=4 d_h=32 E=2 d_e=64
              seg3d  configs/seg3d_cells.py: B=8 L=3072 H=4 d_h=24 E=2 d_e=64
+  flash_ffn_routed  370m, lm  the layer's op (head norm and router inside the Mosaic
+             kernels, in XLA around the GPU kernels), at flash_ffn's shapes
   pack3d     65k    one 64x32x32 grid per entry, B=2 N=65536 H=2 D=48, traced coords
              262k   one 64^3 grid per entry, B=4 N=262144 H=2 D=48, traced coords (the
                     neighbour table, 1.7 MiB, must not have to fit TPU SMEM whole)
@@ -57,13 +59,17 @@ class Case:
 
   @property
   def kernel_prefix(self) -> str:
-    return {"flash_ffn": "flash_ffn", "pack3d": "pack3d", "frac_scan": "frac_scan"}[self.op]
+    return {"flash_ffn": "flash_ffn", "flash_ffn_routed": "flash_ffn", "pack3d": "pack3d",
+            "frac_scan": "frac_scan"}[self.op]
 
 
 SHAPES = {
     "flash_ffn": {"370m": dict(b=1, l=16384, h=8, d=128, e=11, f=256),
                   "lm": dict(b=8, l=128, h=4, d=32, e=2, f=64),
                   "seg3d": dict(b=8, l=3072, h=4, d=24, e=2, f=64)},
+    # The layer's op: head norm and router inside the Mosaic kernels (in XLA on GPU).
+    "flash_ffn_routed": {"370m": dict(b=1, l=16384, h=8, d=128, e=11, f=256),
+                         "lm": dict(b=8, l=128, h=4, d=32, e=2, f=64)},
     "pack3d": {"65k": dict(b=2, grid=(64, 32, 32), h=2, d=48),
                "262k": dict(b=4, grid=(64, 64, 64), h=2, d=48),
                "262k_seg3d": dict(b=4, grid=(64, 64, 64), h=4, d=24),
@@ -142,6 +148,12 @@ def build(case: Case, kind: str):
     specs = [((s["b"], s["l"], s["h"], s["d"]), dtype), ((s["b"], s["l"], s["h"], s["e"]), dtype),
              (table, dtype), (table, dtype), (table, dtype)]
     op, num_diff = (lambda *a: mhffn(*a, **blocks)), 5
+  elif case.op == "flash_ffn_routed":
+    from pallas_kernels.flash_ffn import mhffn_routed
+    table = (s["h"], s["e"], s["f"], s["d"])
+    specs = [((s["b"], s["l"], s["h"], s["d"]), dtype), ((s["h"], s["d"], s["e"]), jnp.float32),
+             (table, dtype), (table, dtype), (table, dtype)]
+    op, num_diff = (lambda *a: mhffn_routed(*a, **blocks)), 5
   elif case.op == "pack3d":
     from pallas_kernels.pack3d_attention import pack3d_attention
     n = math.prod(s["grid"])

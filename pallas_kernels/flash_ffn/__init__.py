@@ -27,13 +27,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxops.flash_ffn import check_mhffn_inputs
+from jaxops import checks
+from jaxops.flash_ffn import check_mhffn_inputs, route_heads
+from jaxops.tiling import round_up
 from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
 from pallas_kernels.flash_ffn import mosaic, mosaic_gpu, triton
 from pallas_kernels.flash_ffn.blocks import TUNED, BlockSizes
 from pallas_kernels.flash_ffn.tiles import MAX_D_H, TilePlan, mosaic_gpu_generations
 
-__all__ = ["BlockSizes", "TUNED", "mhffn"]
+__all__ = ["BlockSizes", "TUNED", "mhffn", "mhffn_routed"]
 
 _KERNELS = {"mosaic": mosaic, "triton": triton, "mosaic_gpu": mosaic_gpu}
 
@@ -75,6 +77,106 @@ def _mhffn_bwd(cfg, residuals, ds):
 _mhffn.defvjp(_mhffn_fwd, _mhffn_bwd)
 
 
+def _routes_in_kernel(backend: Backend, plan: TilePlan) -> bool:
+  """Whether the head norm and router run inside the kernels: Mosaic, with a head's tables in
+  one expert group (the router's sum spans every expert)."""
+  return backend == "mosaic" and plan.groups == 1
+
+
+def _lanes(w_r, dtype):
+  """W_r [H, d_h, E] -> q's dtype, E zero-padded to whole 128-lane vregs (the kernels mask
+  the padding out of the router's sum)."""
+  return jnp.pad(w_r.astype(dtype), ((0, 0), (0, 0), (0, round_up(w_r.shape[2], 128) -
+                                                       w_r.shape[2])))
+
+
+def _flat(q):
+  return q.reshape(*q.shape[:2], -1)
+
+
+def _routed_forward(backend: Backend, interpret, blocks: BlockSizes, q, w_r, k, u, v, *,
+                    normalize):
+  plan = TilePlan.make(backend, blocks, q, k)
+  if not _routes_in_kernel(backend, plan):
+    q_hat, r = route_heads(_flat(q), w_r, normalize=normalize)
+    return _forward(backend, interpret, blocks, q_hat, TilePlan.router_t(r), k, u, v)
+  router = mosaic.Router(normalize, w_r.shape[2])
+  o = mosaic.forward(plan, plan.tokens_in(q), _lanes(w_r, q.dtype),
+                     *(plan.table_in(t) for t in (k, u, v)), interpret, router=router)
+  return plan.tokens_out(o, q)
+
+
+def _routed_backward(backend: Backend, interpret, blocks: BlockSizes, q, w_r, k, u, v, ds, *,
+                     normalize):
+  plan = TilePlan.make(backend, blocks, q, k)
+  if not _routes_in_kernel(backend, plan):
+    (q_hat, r), route_vjp = jax.vjp(functools.partial(route_heads, normalize=normalize),
+                                    _flat(q), w_r)
+    dq_hat, dr, dk, du, dv = _backward(backend, interpret, blocks, q_hat,
+                                       TilePlan.router_t(r), k, u, v, ds)
+    dq, dw_r = route_vjp((dq_hat, dr))
+    return dq.reshape(q.shape), dw_r, dk, du, dv
+  router, w_lanes = mosaic.Router(normalize, w_r.shape[2]), _lanes(w_r, q.dtype)
+  dq, dw_r, dk, du, dv = mosaic.backward(
+      plan, plan.tokens_in(q), w_lanes, w_lanes, *(plan.table_in(t) for t in (k, u, v)),
+      plan.tokens_in(ds.astype(q.dtype)), interpret, router=router)
+  return (plan.tokens_out(dq, q), dw_r[:, :, :w_r.shape[2]],
+          *(plan.table_out(t, k) for t in (dk, du, dv)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _mhffn_routed(q, w_r, k, u, v, cfg: KernelConfig, normalize: bool):
+  return dispatch(functools.partial(_routed_forward, normalize=normalize), cfg, q, w_r, k, u, v)
+
+
+def _mhffn_routed_fwd(q, w_r, k, u, v, cfg, normalize):
+  # Only the inputs are kept: q_hat and the router weights are recomputed in the backward.
+  return _mhffn_routed(q, w_r, k, u, v, cfg, normalize), (q, w_r, k, u, v)
+
+
+def _mhffn_routed_bwd(cfg, normalize, residuals, ds):
+  q, w_r, k, u, v = residuals
+  dq, dw_r, dk, du, dv = dispatch(functools.partial(_routed_backward, normalize=normalize),
+                                  cfg, q, w_r, k, u, v, ds)
+  return dq.astype(q.dtype), dw_r.astype(w_r.dtype), dk, du, dv
+
+
+_mhffn_routed.defvjp(_mhffn_routed_fwd, _mhffn_routed_bwd)
+
+
+def mhffn_routed(q, w_r, k, u, v, *, normalize: bool = True, interpret=None,
+                 backend: Backend | None = None, **block_sizes):
+  """FlashFFN's head norm, router and mixture from W_in's output, differentiable in all five.
+
+  o = mhffn(q_hat, r, k, u, v) with (q_hat, r) = `jaxops.flash_ffn.route_heads`(q, w_r): on
+  TPU (and interpreted on CPU) the norm and router run inside the Mosaic kernels, so neither
+  q_hat nor r is ever written to HBM, and the backward recomputes them from q; elsewhere (GPU,
+  or tables too large for one expert group) they run in XLA around `mhffn`'s kernels and are
+  recomputed in the backward too. Either way the backward keeps only the five inputs.
+
+  Args:
+    q: [B, L, H, d_h] W_in's output (not normalized), float32 or bfloat16.
+    w_r: [H, d_h, E] the router (any float dtype: its matmul runs in q's dtype with float32
+      accumulation; a norm gain is the caller's to fold in).
+    k, u, v: [H, E, d_e, d_h] tables, q's dtype.
+    normalize: the per-head RMSNorm of q (eps 1e-6), as the layer's `head_norm`.
+    interpret, backend, **block_sizes: as `mhffn`.
+
+  Returns:
+    o: [B, L, H, d_h] in q.dtype.
+  """
+  checks.floating("mhffn_routed", "q", q)
+  checks.shape("mhffn_routed", "q", q, (None, None, None, None), "[B, L, H, d_h]")
+  checks.shape("mhffn_routed", "w_r", w_r, (q.shape[2], q.shape[3], None),
+               f"[H={q.shape[2]}, d_h={q.shape[3]}, E]")
+  checks.shape("mhffn_routed", "k", k, (q.shape[2], w_r.shape[2], None, q.shape[3]),
+               f"[H={q.shape[2]}, E={w_r.shape[2]}, d_e, d_h={q.shape[3]}]")
+  for name, t in (("u", u), ("v", v)):
+    checks.shape("mhffn_routed", name, t, k.shape, f"the shape of k {tuple(k.shape)}")
+  cfg = _config("mhffn_routed", q, backend, interpret, block_sizes)
+  return _mhffn_routed(q, w_r, k, u, v, cfg, normalize)
+
+
 def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **block_sizes):
   """Fused multi-head FFN, differentiable in all five inputs.
 
@@ -96,11 +198,14 @@ def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **bl
     o: [B, L, H, d_h] in q.dtype; matmuls in the input dtype with float32 accumulation.
   """
   check_mhffn_inputs(q, r, k, u, v)
+  return _mhffn(q, r, k, u, v, _config("mhffn", q, backend, interpret, block_sizes))
+
+
+def _config(op: str, q, backend, interpret, block_sizes) -> KernelConfig:
   # backend=None takes Triton on a generation whose kernels are narrower than the heads; a
   # forced "mosaic_gpu" keeps every generation, so TilePlan names the width limit.
   generations = (tuple(MAX_D_H) if backend == "mosaic_gpu"
                  else mosaic_gpu_generations(q.shape[-1], q.dtype))
-  cfg = KernelConfig.make("mhffn", BlockSizes, backend=backend, interpret=interpret,
-                          block_sizes=block_sizes, backends=("mosaic", "triton", "mosaic_gpu"),
-                          generations=generations)
-  return _mhffn(q, r, k, u, v, cfg)
+  return KernelConfig.make(op, BlockSizes, backend=backend, interpret=interpret,
+                           block_sizes=block_sizes, backends=("mosaic", "triton", "mosaic_gpu"),
+                           generations=generations)

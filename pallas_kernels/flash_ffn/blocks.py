@@ -16,13 +16,15 @@ from pallas_kernels.dispatch import Backend, current_chip, tuned
 class BlockSizes:
   """Tile sizes of the three kernels; upper bounds (small problems use smaller tiles).
 
-  block_q: tokens per tile of the forward and dq kernels. Mosaic: a multiple of 128
-    (tokens are the lane axis of the router block) unless one tile holds every token.
-    Mosaic GPU: a multiple of 64 (WGMMA's M); 128 on Blackwell (tcgen05's M).
+  block_q: tokens per tile of the forward and dq kernels (Mosaic: of the forward). Mosaic:
+    a multiple of 128 (tokens are the router block's lane axis). Mosaic GPU: a multiple of
+    64 (WGMMA's M); 128 on Blackwell (tcgen05's M).
   block_inter: d_e columns per (expert, d_e tile) step of the reduction; the dK/dU/dV
-    kernel owns one such tile per program. Mosaic GPU: 16, 32 or a multiple of 64 (at most
-    128 on Blackwell, where the dK/dU/dV kernel's tile is 128 rows).
-  block_q_dkv: tokens per step of the dK/dU/dV kernel's token loop (same rule as block_q).
+    kernel owns one such tile per program. Mosaic: the tile of the in-kernel loop over a
+    head's tables. Mosaic GPU: 16, 32 or a multiple of 64 (at most 128 on Blackwell, where
+    the dK/dU/dV kernel's tile is 128 rows).
+  block_q_dkv: tokens per step of the dK/dU/dV kernel's token loop (Mosaic: per step of the
+    fused backward); same rule as block_q.
   num_warps, num_stages: Triton launch parameters per kernel (ignored by Mosaic).
     Mosaic GPU: num_stages is the depth of its TMA pipelines (buffers per streamed tile).
 
@@ -53,9 +55,20 @@ _TRITON_BF16 = BlockSizes(block_q=64, block_inter=32, block_q_dkv=64, num_warps=
 
 # (backend, chip or None for any, dtype) -> BlockSizes. None entries fit the smallest chip.
 TUNED = {
+    # Mosaic (TPU): the chips' entries are `make perf-tpu --sweep`'s picks (libtpu's static
+    # estimate of each kernel alone at the 370M head shape, 4k tokens; ties within 1% go to
+    # the smaller token tile; benchmarks/aot/perf_sweep.json, checked by
+    # tests/test_perf_tpu.py). The generic entries fit an unknown TPU's smaller VMEM.
     ("mosaic", None, "float32"): BlockSizes(block_q=256, block_inter=256, block_q_dkv=256),
-    ("mosaic", None, "bfloat16"): BlockSizes(block_q=512, block_inter=256, block_q_dkv=512),
-    ("mosaic", "tpu-v6e", "float32"): BlockSizes(block_q=512, block_inter=256, block_q_dkv=512),
+    ("mosaic", None, "bfloat16"): BlockSizes(block_q=512, block_inter=256, block_q_dkv=256),
+    ("mosaic", "tpu-v5e", "float32"): BlockSizes(block_q=1024, block_inter=256,
+                                                 block_q_dkv=256),
+    ("mosaic", "tpu-v5e", "bfloat16"): BlockSizes(block_q=1024, block_inter=256,
+                                                  block_q_dkv=256),
+    ("mosaic", "tpu-v6e", "float32"): BlockSizes(block_q=2048, block_inter=256,
+                                                 block_q_dkv=512),
+    ("mosaic", "tpu-v6e", "bfloat16"): BlockSizes(block_q=2048, block_inter=256,
+                                                  block_q_dkv=1024),
     ("triton", None, "float32"): _TRITON_F32,
     ("triton", None, "bfloat16"): _TRITON_BF16,
     # Mosaic GPU (Hopper): one warpgroup per block, float32 accumulators in registers

@@ -31,6 +31,7 @@ summed in XLA.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxops.flash_ffn import NORM_EPS
 from jaxops.tiling import dot, dot_nt, dot_tn, round_up
 from pallas_kernels.flash_ffn.blocks import mosaic_vmem_limit
 from pallas_kernels.flash_ffn.tiles import (TilePlan, activation_grads, tanh_sigmoid,
@@ -81,14 +83,62 @@ def _over_tiles(plan: TilePlan, body, carry):
       0, tiles, lambda c, carry: body(pl.ds(pl.multiple_of(c * bi, bi), bi), carry), carry)
 
 
-def _fwd_kernel(q_ref, r_ref, k_ref, u_ref, v_ref, o_ref, acc_ref, *, plan: TilePlan):
+@dataclasses.dataclass(frozen=True)
+class Router:
+  """The head norm and router computed inside the kernels (`mhffn_routed`): the router block
+  is the head's W_r [d_h, E padded to 128 lanes] in q's dtype instead of the weights r."""
+
+  normalize: bool
+  experts: int
+
+
+def _route(q, w_r, router: Router):
+  """One token tile's (q_hat, r [bq, lanes] float32, state for `_route_grads`): q_hat = q /
+  rms(q) if normalizing, r = sigmoid(q_hat W_r) / max(sum, 1e-20) over the real experts (the
+  padding lanes are 0), as `jaxops.flash_ffn.route_heads` computes them."""
+  rstd = None
+  if router.normalize:
+    q32 = q.astype(_F32)
+    rstd = jax.lax.rsqrt(jnp.mean(q32 * q32, axis=1, keepdims=True) + NORM_EPS)
+    q = (q32 * rstd).astype(q.dtype)
+  lanes = jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], w_r.shape[1]), 1)
+  sig = jnp.where(lanes < router.experts, jax.nn.sigmoid(dot(q, w_r)), 0.0)
+  total = jnp.sum(sig, axis=1, keepdims=True)
+  return q, sig / jnp.maximum(total, 1e-20), (rstd, sig, total)
+
+
+def _route_grads(dq_hat, dr, q_hat, w_r, state, router: Router):
+  """(dq, dz): the cotangent of the kernel's raw q from that of q_hat and the router weights'
+  dr [bq, lanes], through the router (r = sig / max(S, 1e-20), S = sum sig, sig = sigmoid(z))
+  and the norm (dq = rstd (dq_hat - q_hat mean(dq_hat q_hat))); dz [bq, lanes] gives dW_r."""
+  rstd, sig, total = state
+  denominator = jnp.maximum(total, 1e-20)
+  r = sig / denominator
+  shared = jnp.where(total > 1e-20, jnp.sum(dr * r, axis=1, keepdims=True), 0.0)
+  dz = (dr - shared) / denominator * sig * (1.0 - sig)
+  dq_hat = dq_hat + dot_nt(dz.astype(q_hat.dtype), w_r)
+  if not router.normalize:
+    return dq_hat, dz
+  y = q_hat.astype(_F32)
+  return rstd * (dq_hat - y * jnp.mean(dq_hat * y, axis=1, keepdims=True)), dz
+
+
+def _inputs(q_ref, r_ref, router: Router | None):
+  """(q_hat, router columns [bq, >= E], state): the router block as it comes, or routed."""
+  if router is None:
+    return q_ref[...], _router_columns(r_ref[...]), None
+  return _route(q_ref[...], r_ref[...], router)
+
+
+def _fwd_kernel(q_ref, r_ref, k_ref, u_ref, v_ref, o_ref, acc_ref, *, plan: TilePlan,
+                router: Router | None):
   g = pl.program_id(2)
 
   @pl.when(g == 0)
   def _():
     acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  q, r = q_ref[...], _router_columns(r_ref[...])
+  q, r, _ = _inputs(q_ref, r_ref, router)
   for e in range(plan.experts_per_step):
     def tile(rows, carry, e=e):
       k, u, v = k_ref[e, rows, :], u_ref[e, rows, :], v_ref[e, rows, :]
@@ -104,16 +154,20 @@ def _fwd_kernel(q_ref, r_ref, k_ref, u_ref, v_ref, o_ref, acc_ref, *, plan: Tile
 
 
 def _bwd_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dq_ref, dr_ref, dk_ref, du_ref,
-                dv_ref, dk_acc, du_acc, dv_acc, *, plan: TilePlan):
+                dv_ref, dk_acc, du_acc, dv_acc, *router_acc, plan: TilePlan,
+                router: Router | None):
+  """dr_ref is dr [rows, bq] (router weights given) or dW_r [d_h, lanes] (routed), which
+  accumulates across the token tiles in router_acc like dK, dU, dV."""
   i = pl.program_id(2)
-  accs, outs = (dk_acc, du_acc, dv_acc), (dk_ref, du_ref, dv_ref)
+  accs, outs = (dk_acc, du_acc, dv_acc, *router_acc), (dk_ref, du_ref, dv_ref)
 
   @pl.when(i == 0)
   def _():
     for acc in accs:
       acc[...] = jnp.zeros_like(acc)
 
-  q, ds, r = q_ref[...], ds_ref[...], _router_columns(r_ref[...])
+  q, r, state = _inputs(q_ref, r_ref, router)
+  ds = ds_ref[...]
   transposed = _transposed_grads(plan)
   if transposed:
     q_t, ds_t = q.T, ds.T
@@ -140,8 +194,14 @@ def _bwd_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dq_ref, dr_ref, dk_re
 
     dq, dr_e = _over_tiles(plan, tile, (dq, jnp.zeros((q.shape[0], 1), _F32)))
     dr.append(dr_e)
+  if router is None:
+    dr_ref[...] = _router_rows(dr, dr_ref.shape[0])
+  else:
+    lanes = r.shape[1]
+    dr = jnp.concatenate(dr + [jnp.zeros((q.shape[0], lanes - len(dr)), _F32)], axis=1)
+    dq, dz = _route_grads(dq, dr, q, r_ref[...], state, router)
+    router_acc[0][...] += dot(q_t, dz) if transposed else dot_tn(q, dz)
   dq_ref[...] = dq.astype(dq_ref.dtype)
-  dr_ref[...] = _router_rows(dr, dr_ref.shape[0])
 
   @pl.when(i == pl.num_programs(2) - 1)
   def _():
@@ -149,6 +209,8 @@ def _bwd_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dq_ref, dr_ref, dk_re
       for e in range(plan.experts_per_step):
         grad = acc[e]
         out[e] = (grad.T if transposed else grad).astype(out.dtype)
+    if router is not None:
+      dr_ref[...] = router_acc[0][...]
 
 
 def _params(plan: TilePlan, *semantics):
@@ -168,13 +230,21 @@ def _table_block(plan: TilePlan, where):
                       lambda *grid: (*where(*grid), 0, 0))
 
 
-def forward(plan: TilePlan, q, r, k, u, v, interpret):
+def _router_table_block(w_r):
+  """The routed kernels' W_r [H, d_h, lanes]: one head's per step."""
+  return pl.BlockSpec((None, *w_r.shape[1:]), lambda h, *_: (h, 0, 0))
+
+
+def forward(plan: TilePlan, q, r, k, u, v, interpret, router: Router | None = None):
+  """o in the kernel layout; with `router`, r is W_r [H, d_h, lanes] (see `Router`)."""
   bq = plan.blocks.block_q
   tok = lambda h, i, g: (h, i)
+  r_spec = (_router_block(plan, bq, lambda h, i, g: (h, g, i)) if router is None
+            else _router_table_block(r))
   return pl.pallas_call(
-      functools.partial(_fwd_kernel, plan=plan),
+      functools.partial(_fwd_kernel, plan=plan, router=router),
       grid=(plan.heads, plan.tokens // bq, plan.groups),
-      in_specs=[plan.token_spec(bq, tok), _router_block(plan, bq, lambda h, i, g: (h, g, i))]
+      in_specs=[plan.token_spec(bq, tok), r_spec]
       + [_table_block(plan, lambda h, i, g: (h, g))] * 3,
       out_specs=plan.token_spec(bq, tok),
       out_shape=plan.token_shape(q.dtype),
@@ -192,10 +262,13 @@ def _group_token_spec(plan: TilePlan, rows: int):
   return pl.BlockSpec((None, None, rows, plan.d_h), lambda h, g, i: (g, h, i, 0))
 
 
-def backward(plan: TilePlan, q, r, r_dkuv, k, u, v, ds, interpret):
-  """(dq, dr, dk, du, dv) in the kernel layout; r_dkuv is r (one router layout on TPU)."""
+def backward(plan: TilePlan, q, r, r_dkuv, k, u, v, ds, interpret, router: Router | None = None):
+  """(dq, dr, dk, du, dv) in the kernel layout; r_dkuv is r (one router layout on TPU). With
+  `router`, r is W_r and the second result dW_r [H, d_h, lanes] float32 (see `Router`)."""
   del r_dkuv
   bk, groups = plan.blocks.block_q_dkv, plan.groups
+  if router is not None and groups > 1:
+    raise ValueError("mhffn: the routed kernels need a head's tables in one expert group")
   tok = lambda h, g, i: (h, i)
   table = _table_block(plan, lambda h, g, i: (h, g))
   scratch = (plan.experts_per_step,) + ((plan.d_h, plan.d_e) if _transposed_grads(plan)
@@ -205,15 +278,25 @@ def backward(plan: TilePlan, q, r, r_dkuv, k, u, v, ds, interpret):
   else:
     dq_spec = _group_token_spec(plan, bk)
     dq_shape = jax.ShapeDtypeStruct((groups,) + plan.token_shape(q.dtype).shape, _F32)
+  if router is None:
+    r_spec = dr_spec = _router_block(plan, bk, lambda h, g, i: (h, g, i))
+    dr_shape, router_scratch = plan.router_shape(), []
+  else:
+    r_spec = dr_spec = _router_table_block(r)
+    dr_shape = jax.ShapeDtypeStruct(r.shape, _F32)
+    router_scratch = [pltpu.VMEM(r.shape[1:], _F32)]
   dq, dr, dk, du, dv = pl.pallas_call(
-      functools.partial(_bwd_kernel, plan=plan),
+      functools.partial(_bwd_kernel, plan=plan, router=router),
       grid=(plan.heads, groups, plan.tokens // bk),
-      in_specs=[plan.token_spec(bk, tok), _router_block(plan, bk, lambda h, g, i: (h, g, i)),
-                plan.token_spec(bk, tok), table, table, table],
-      out_specs=[dq_spec, _router_block(plan, bk, lambda h, g, i: (h, g, i))] + [table] * 3,
-      out_shape=[dq_shape, plan.router_shape()] + [plan.table_shape(k.dtype)] * 3,
-      scratch_shapes=[pltpu.VMEM(scratch, _F32)] * 3,
+      in_specs=[plan.token_spec(bk, tok), r_spec, plan.token_spec(bk, tok), table, table,
+                table],
+      out_specs=[dq_spec, dr_spec] + [table] * 3,
+      out_shape=[dq_shape, dr_shape] + [plan.table_shape(k.dtype)] * 3,
+      scratch_shapes=[pltpu.VMEM(scratch, _F32)] * 3 + router_scratch,
       compiler_params=_params(plan, "parallel", "parallel", "arbitrary"),
+      # dq overwrites ds: a token tile's step reads its ds block before its dq block is
+      # written, and no other step reads it (one [L, d] buffer less in the layer's backward).
+      input_output_aliases={2: 0} if groups == 1 else {},
       interpret=interpret,
       name="flash_ffn_bwd",
   )(q, r, ds, k, u, v)

@@ -1,0 +1,217 @@
+"""The programs `make perf-tpu` compiles: each op's Pallas kernel beside the XLA programs it
+replaces, and the layers beside the layers they replace.
+
+`build(name, direction, dtype, overrides)` -> `Program`: the jittable function with its
+argument specs, the model FLOPs of its matmuls and the bytes it must move at least (the HBM
+floor). Model FLOPs count the math once: a forward of n matmul units, a backward of 2n
+(recomputation inside a kernel or under jax.checkpoint is not counted), so a kernel that
+recomputes its forward reaches at most (3 + 6) / (3 + 8) = 82% of peak in fwd+bwd; the
+ratio of cycles to the baseline is the comparison that matters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+# The FlashFFN op at the paper's 370M head shape (the issue's static-estimate shape).
+FFN = dict(b=1, l=4096, h=8, d=128, e=11, f=256)
+# SwiGLU matched in FLOPs to it: d = H d_h and d d_ff = H d_h E d_e, so d_ff = E d_e.
+SWIGLU = dict(d=FFN["h"] * FFN["d"], d_ff=FFN["e"] * FFN["f"])
+# FRAC at the benchmark's head shape; the profiler's memory grows with the program (FRAC's
+# kernel at L = 8192 passed 14 GB), so L = 2048 (per-token figures were stable across sizes).
+FRAC = dict(b=1, l=2048, h=4, p=64, n=16, m=16)
+# Pack3D: a 16 x 32 x 32 token grid (4,096 cubes of 4^3), two heads of 48.
+PACK3D = dict(b=1, grid=(16, 32, 32), h=2, d=48)
+# Layers at the 370M width and 4k tokens.
+LAYER = dict(b=1, l=4096, d=1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  fn: Callable
+  specs: list          # [(shape, dtype), ...]
+  flops: int           # model FLOPs of its matmuls (see the module docstring)
+  hbm_bytes: int       # what it must read and write at least
+  kernel: str = ""     # the Pallas kernels' name prefix ("" for XLA programs)
+
+
+def _nbytes(specs) -> int:
+  import jax.numpy as jnp
+  return sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in specs)
+
+
+def _with_grad(fn, specs, num_diff: int, flops: int, kernel: str, direction: str) -> Program:
+  """The forward, or forward + the VJP of the first `num_diff` arguments (cotangent = the
+  output, so nothing is left for XLA to prune); FLOPs x3 and bytes x3 for fwd+bwd (the
+  backward reads the inputs and the cotangent, writes a gradient per input)."""
+  import jax
+  if direction == "fwd":
+    return Program(fn, specs, flops, _nbytes(specs), kernel)
+
+  def grad(*args):
+    diff, rest = args[:num_diff], args[num_diff:]
+    out, vjp = jax.vjp(lambda *d: fn(*d, *rest), *diff)
+    return out, vjp(out)
+
+  return Program(grad, specs, 3 * flops, 3 * _nbytes(specs), kernel)
+
+
+def _flash_ffn(impl: str, dtype, overrides: dict):
+  import jax.numpy as jnp
+  s = FFN
+  table = ((s["h"], s["e"], s["f"], s["d"]), dtype)
+  specs = [((s["b"], s["l"], s["h"], s["d"]), dtype),
+           ((s["b"], s["l"], s["h"], s["e"]), jnp.float32), table, table, table]
+  flops = 2 * 3 * s["b"] * s["l"] * s["h"] * s["d"] * s["e"] * s["f"]
+  if impl == "kernel":
+    from pallas_kernels.flash_ffn import mhffn
+    return (lambda *a: mhffn(*a, interpret=False, backend="mosaic", **overrides)), specs, flops
+  from jaxops.flash_ffn import mhffn
+  return (lambda *a: mhffn(*a, chunk=512)), specs, flops
+
+
+def _flash_ffn_kernel_only(which: str, dtype, overrides: dict):
+  """The forward or the backward Mosaic kernel alone, on inputs already in its layout: what
+  the block-size sweep compares (the op adds only layout copies, and through the op the
+  profiler takes ~10x longer to compile)."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.flash_ffn import BlockSizes, mosaic, tiles
+  s = FFN
+  blocks = dataclasses.replace(BlockSizes.for_backend("mosaic", dtype), **overrides)
+  q = jax.ShapeDtypeStruct((s["b"], s["l"], s["h"], s["d"]), dtype)
+  k = jax.ShapeDtypeStruct((s["h"], s["e"], s["f"], s["d"]), dtype)
+  plan = tiles.TilePlan.make("mosaic", blocks, q, k)
+  tokens = (plan.tokens, plan.heads * plan.d_h)
+  table = ((s["h"], plan.table_experts, plan.d_e, plan.d_h), dtype)
+  router = ((s["h"], plan.experts_pad, plan.tokens), jnp.float32)
+  flops = 2 * 3 * s["b"] * s["l"] * s["h"] * s["d"] * s["e"] * s["f"]
+  if which == "fwd_kernel":
+    return (lambda *a: mosaic.forward(plan, *a, False)), [(tokens, dtype), router] + [table] * 3, \
+        flops
+  return (lambda q, r, k, u, v, ds: mosaic.backward(plan, q, r, r, k, u, v, ds, False)), \
+      [(tokens, dtype), router] + [table] * 3 + [(tokens, dtype)], 2 * flops
+
+
+def _swiglu(dtype):
+  from jaxops.flash_ffn import swiglu
+  d, f, tokens = SWIGLU["d"], SWIGLU["d_ff"], FFN["b"] * FFN["l"]
+  specs = [((tokens, d), dtype), ((d, f), dtype), ((d, f), dtype), ((f, d), dtype)]
+  return swiglu, specs, 2 * 3 * tokens * d * f
+
+
+def _frac(impl: str, dtype, overrides: dict):
+  import jax.numpy as jnp
+  s = FRAC
+  tok = (s["b"], s["l"], s["h"])
+  specs = [(tok + (s["p"],), dtype), (tok, jnp.float32), (tok + (s["n"],), dtype),
+           (tok + (s["n"],), dtype), ((s["h"], s["m"]), jnp.float32),
+           ((s["h"], s["m"]), jnp.float32)]
+  # Per chunk of c tokens and mode: the intra-chunk [c, c] scores (C B^T, masked) and their
+  # product with x, plus the state's read-out and update: ~ 2 L (c N + c P + 2 N P) per mode.
+  chunk = 64
+  flops = 2 * s["b"] * s["l"] * s["h"] * s["m"] * (chunk * s["n"] + chunk * s["p"]
+                                                  + 2 * s["n"] * s["p"])
+  if impl == "kernel":
+    from pallas_kernels.frac_scan import frac_scan
+    fn = lambda *a: frac_scan(*a, interpret=False, backend="mosaic", chunk=chunk,
+                              **overrides)[0]
+  else:
+    from jaxops import frac
+    fn = lambda *a: frac.frac_scan(*a, chunk=chunk)[0]
+  return fn, specs, flops
+
+
+def _pack3d(impl: str, dtype, overrides: dict):
+  import jax.numpy as jnp
+  s = PACK3D
+  n = math.prod(s["grid"])
+  x = ((s["b"], n, s["h"], s["d"]), dtype)
+  specs = [x, x, x, ((s["b"], n, 3), jnp.int32), ((s["b"], n), jnp.int32)]
+  cubes = math.prod(g // 4 for g in s["grid"])
+  # Local: each cube's 64 queries against its 27 neighbour cubes' keys; far: against every
+  # cube summary. Two products (scores, values) of d each.
+  flops = 2 * 2 * s["b"] * n * s["h"] * s["d"] * (27 * 64 + cubes)
+  if impl == "dense":
+    flops = 2 * 2 * s["b"] * n * n * s["h"] * s["d"]
+
+    def fn(q, k, v, coords, field_ids):
+      del coords, field_ids
+      import jax
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+      p = jax.nn.softmax(scores / math.sqrt(s["d"]), axis=-1).astype(v.dtype)
+      return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return fn, specs, flops
+  if impl == "kernel":
+    from pallas_kernels.pack3d_attention import pack3d_attention
+    return (lambda q, k, v, c, f: pack3d_attention(q, k, v, c, f, max_cubes=cubes,
+                                                   interpret=False, **overrides)), specs, flops
+  from jaxops import pack3d
+  return (lambda q, k, v, c, f: pack3d.pack3d_attention(q, k, v, c, f, max_cubes=cubes)), \
+      specs, flops
+
+
+def _layer(name: str, dtype):
+  """(fn(params, x), [param specs..., x], model FLOPs) for an NNX layer at LAYER's shape."""
+  import jax
+  from flax import nnx
+  import models
+  s = LAYER
+  rngs = nnx.Rngs(0)
+  layer = {"flash_ffn": lambda: models.FlashFFN(s["d"], impl="pallas", interpret=False,
+                                                dtype=dtype, rngs=rngs),
+           "swiglu": lambda: models.SwiGLU(s["d"], dtype=dtype, rngs=rngs)}[name]()
+  graphdef, params = nnx.split(layer)
+  leaves, treedef = jax.tree.flatten(params)
+  specs = [(p.shape, p.dtype) for p in leaves] + [((s["b"], s["l"], s["d"]), dtype)]
+  tokens = s["b"] * s["l"]
+  # Matmul weights: every parameter but the norm gains (scale vectors) and the router's d x E
+  # (~2 d E FLOPs per token, counted with the rest).
+  weights = sum(p.size for p in leaves if p.ndim >= 2)
+
+  def fn(*args):
+    params = jax.tree.unflatten(treedef, args[:-1])
+    return nnx.merge(graphdef, params)(args[-1])
+
+  return fn, specs, 2 * tokens * weights, len(leaves) + 1
+
+
+PROGRAMS = {
+    # name: (group, what it is)
+    "flash_ffn/kernel": ("flash_ffn", "Pallas kernel (mhffn)"),
+    "flash_ffn/xla": ("flash_ffn", "XLA path (512-token chunks, checkpointed)"),
+    "flash_ffn/swiglu": ("flash_ffn", "XLA SwiGLU, FLOP-matched (d = H d_h, d_ff = E d_e)"),
+    "flash_ffn/fwd_kernel": ("flash_ffn", "the forward kernel alone (block sweep)"),
+    "flash_ffn/bwd_kernel": ("flash_ffn", "the backward kernel alone (block sweep)"),
+    "frac/kernel": ("frac", "Pallas kernel (frac_scan)"),
+    "frac/xla": ("frac", "XLA chunked path"),
+    "pack3d/kernel": ("pack3d", "Pallas kernels (pack3d_attention)"),
+    "pack3d/xla": ("pack3d", "XLA path"),
+    "pack3d/dense": ("pack3d", "dense XLA attention"),
+    "layer/flash_ffn": ("layer", "FlashFFN(1024) layer, kernel"),
+    "layer/swiglu": ("layer", "SwiGLU(1024) layer"),
+}
+KERNEL_PREFIX = {"flash_ffn": "flash_ffn", "frac": "frac_scan", "pack3d": "pack3d",
+                 "layer": "flash_ffn"}
+
+
+def build(name: str, direction: str, dtype_name: str, overrides: dict | None = None) -> Program:
+  import jax.numpy as jnp
+  dtype, overrides = jnp.dtype(dtype_name), dict(overrides or {})
+  group, impl = name.split("/")
+  kernel = KERNEL_PREFIX[group] if impl in ("kernel", "flash_ffn") else ""
+  if name.startswith("layer/"):
+    fn, specs, flops, num_diff = _layer(impl, dtype)
+    return _with_grad(fn, specs, num_diff, flops, kernel, direction)
+  if name == "flash_ffn/swiglu":
+    fn, specs, flops = _swiglu(dtype)
+  elif impl in ("fwd_kernel", "bwd_kernel"):
+    fn, specs, flops = _flash_ffn_kernel_only(impl, dtype, overrides)
+    return Program(fn, specs, flops, _nbytes(specs), KERNEL_PREFIX[group])
+  else:
+    fn, specs, flops = {"flash_ffn": _flash_ffn, "frac": _frac, "pack3d": _pack3d}[group](
+        impl, dtype, overrides)
+  num_diff = {"flash_ffn": 5, "frac": 6, "pack3d": 3}[group]
+  return _with_grad(fn, specs, num_diff, flops, kernel, direction)

@@ -1,0 +1,102 @@
+"""`mhffn_routed`: FlashFFN's head norm, router and mixture from W_in's output, with the norm
+and router inside the Mosaic kernels (and in XLA around the GPU kernels), against the
+float32 einsum reference `jaxops.flash_ffn.mhffn_routed_reference`; what its backward keeps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxops import flash_ffn as ops
+from pallas_kernels import flash_ffn as kernel
+from pallas_kernels.flash_ffn import tiles
+from tests import kernel_checks
+
+# Odd L, 3 experts (the router's lanes padded to 128), d_e in a full and a partial tile.
+SHAPE = (2, 77, 2, 16, 3, 24)
+BODIES = {
+    "mosaic": dict(block_q=128, block_inter=16, block_q_dkv=128),
+    "triton": dict(block_q=32, block_inter=16, block_q_dkv=64),
+}
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def make_inputs(dtype, shape=SHAPE, seed=0):
+  b, l, h, d_h, e, d_e = shape
+  ks = jax.random.split(jax.random.key(seed), 5)
+  q = 2.0 * jax.random.normal(ks[0], (b, l, h, d_h))     # not unit RMS: the norm matters
+  w_r = jax.random.normal(ks[1], (h, d_h, e))
+  tables = [0.3 * jax.random.normal(k, (h, e, d_e, d_h)) for k in ks[2:]]
+  return (q.astype(dtype), w_r, *(t.astype(dtype) for t in tables))
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(path: str, normalize: bool, blocks: tuple = ()):
+  """jit of the op's output and the gradients of all five inputs (sin loss)."""
+  if path == "reference":
+    op = functools.partial(ops.mhffn_routed_reference, normalize=normalize)
+  else:
+    op = functools.partial(kernel.mhffn_routed, normalize=normalize, interpret=True,
+                           backend=path, **dict(blocks or BODIES[path].items()))
+  grad = jax.grad(functools.partial(kernel_checks.sin_loss, op), argnums=(0, 1, 2, 3, 4))
+  return jax.jit(lambda *a: (op(*a), grad(*a)))
+
+
+def check(path, dtype, normalize, shape=SHAPE, blocks=(), rtol=None):
+  args = make_inputs(dtype, shape)
+  out_ref, grads_ref = compiled("reference", normalize)(*(a.astype(jnp.float32) for a in args))
+  out, grads = compiled(path, normalize, blocks)(*args)
+  assert out.dtype == dtype and out.shape == args[0].shape
+  rtol = rtol or TOL[dtype]
+  kernel_checks.assert_close(out, out_ref, rtol=rtol, name="o")
+  kernel_checks.assert_grads_close(grads, grads_ref, args, ("q", "w_r", "k", "u", "v"),
+                                   rtol=rtol * (4 if dtype == jnp.bfloat16 else 1))
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "no-norm"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("path", ["mosaic", "triton"])
+def test_matches_reference_forward_and_gradients(path, dtype, normalize):
+  """Mosaic routes inside its kernels; Triton (like any GPU body) runs route_heads in XLA."""
+  check(path, dtype, normalize)
+
+
+def test_transposed_gradient_layout():
+  """d_h and block_inter multiples of 128: dW_r accumulates as q_hat^T dz with the transposed
+  table gradients."""
+  # 128-wide heads: sums of 128 products; every path (Triton's too) is ~5e-5 off in dq here.
+  check("mosaic", jnp.float32, True, shape=(1, 40, 2, 128, 3, 128),
+        blocks=(("block_inter", 128), ("block_q", 128), ("block_q_dkv", 128)), rtol=1e-4)
+
+
+def test_expert_groups_route_in_xla(monkeypatch):
+  """Tables over the VMEM budget (expert groups): the router's sum spans every expert, so the
+  norm and router run in XLA around the grouped kernels; still exact."""
+  monkeypatch.setattr(tiles, "mosaic_vmem_limit", lambda: 1)
+  shape = (1, 150, 2, 16, 9, 24)
+  q, _, k, *_ = make_inputs(jnp.float32, shape)
+  plan = tiles.TilePlan.make("mosaic", kernel.BlockSizes(block_inter=8), q, k)
+  assert plan.groups == 2
+  check("mosaic", jnp.float32, True, shape=shape, blocks=(("block_inter", 8),))
+
+
+def test_backward_keeps_only_the_inputs():
+  """The residuals of the op's VJP are its five inputs: q_hat and the router weights are
+  recomputed, never kept from the forward (the layer's memory depends on it)."""
+  args = make_inputs(jnp.bfloat16)
+  op = functools.partial(kernel.mhffn_routed, interpret=True, backend="mosaic",
+                         **BODIES["mosaic"])
+  _, vjp = jax.vjp(op, *args)
+  residuals = [x for x in jax.tree.leaves(vjp) if isinstance(x, jax.Array)]
+  assert sorted((r.shape, r.dtype) for r in residuals) == sorted(
+      (a.shape, a.dtype) for a in args)
+
+
+def test_bad_router_shape_names_the_argument():
+  q, w_r, k, u, v = make_inputs(jnp.float32)
+  with pytest.raises(ValueError, match="w_r"):
+    kernel.mhffn_routed(q, w_r[:, :-1], k, u, v)

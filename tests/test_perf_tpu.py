@@ -1,0 +1,85 @@
+"""`make perf-tpu`'s arithmetic (the static profile's loop weighting, the table's reading) and
+that FlashFFN's tuned TPU tiles are the block sweep's best (benchmarks/aot/perf_sweep.json)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.aot import perf, static_profile
+from pallas_kernels.flash_ffn import blocks
+
+# An entry with a while loop of 8 trips whose body holds a loop of 3: as libtpu's optimized
+# HLO prints them (computations first, the entry last).
+HLO = """HloModule m
+
+%inner_cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %constant.3 = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %constant.3), direction=LT
+}
+
+%inner_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %fusion.inner = f32[8] fusion(%p), kind=kLoop, calls=%f
+  ROOT %t = (s32[], f32[8]) tuple(%i, %fusion.inner)
+}
+
+%outer_cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %constant.8 = s32[]{:T(128)} constant(8)
+  ROOT %lt = pred[] compare(%i, %constant.8), direction=LT
+}
+
+%outer_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %fusion.outer = f32[8] fusion(%p), kind=kLoop, calls=%g
+  %while.inner = (s32[], f32[8]) while(%p), condition=%inner_cond, body=%inner_body
+  ROOT %t = (s32[], f32[8]) tuple(%i, %fusion.outer)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8] parameter(0)
+  %copy.1 = f32[8] copy(%a)
+  %while.outer = (s32[], f32[8]) while(%t0), condition=%outer_cond, body=%outer_body
+  ROOT %r = f32[8] get-tuple-element(%while.outer), index=1
+}
+"""
+
+
+def test_loop_bodies_count_trip_count_times():
+  runs = static_profile.multipliers(HLO)
+  assert runs["copy.1"] == 1 and runs["fusion.outer"] == 8 and runs["fusion.inner"] == 24
+  total, per_op = static_profile.total_cycles(
+      {"copy.1": 10, "fusion.outer": 100, "fusion.inner": 1000}, HLO)
+  assert per_op == {"copy.1": 10, "fusion.outer": 800, "fusion.inner": 24_000}
+  assert total == 24_810
+
+
+def test_a_loop_without_one_bound_is_an_error():
+  with pytest.raises(ValueError, match="trip count"):
+    static_profile.trip_count(["%c = s32[] constant(3)", "%d = s32[] constant(4)"])
+
+
+def test_reading_takes_the_larger_of_estimate_and_hbm_floor():
+  chip = perf.CHIPS["tpu-v5e"]
+  compute_bound = dict(target="tpu-v5e", cycles=1_000_000, flops=chip.flops_per_cycle * 500_000,
+                       hbm_bytes=int(chip.hbm_bytes_per_s * 1e-6))     # 1 us of traffic
+  r = perf.reading(compute_bound)
+  assert r["us"] == pytest.approx(1e6 / chip.clock_hz * 1e6) and r["mfu"] == pytest.approx(0.5)
+  assert r["read_us"] == r["us"]
+  memory_bound = dict(compute_bound, hbm_bytes=int(chip.hbm_bytes_per_s))  # 1 s of traffic
+  assert perf.reading(memory_bound)["read_us"] == pytest.approx(1e6, rel=1e-6)
+
+
+def test_tuned_tpu_tiles_are_the_sweep_best():
+  """Each chip's FlashFFN entry in blocks.TUNED is what `perf --sweep` found best there."""
+  best = json.loads(perf.SWEEP.read_text())["best"]
+  assert best, "perf_sweep.json holds no sweep"
+  for chip, by_dtype in best.items():
+    for dtype, fields in by_dtype.items():
+      entry = blocks.TUNED[("mosaic", chip, dtype)]
+      assert {f: getattr(entry, f) for f in fields} == fields, (chip, dtype)
