@@ -332,6 +332,20 @@ def test_rms_normalize_gradient_matches_autodiff():
   kernel_checks.assert_close(g, g_ref, rtol=1e-5)
 
 
+
+def test_group_expansion_forms_agree():
+  """The TPU (matmul) and default (repeat) forms of the per-group expansion are the same map;
+  the CPU suite runs only the default one inside `rms_normalize_groups`."""
+  from jaxops import rms_norm
+  v = jax.random.normal(jax.random.key(9), (3, 5, 4))
+  for dtype in (jnp.float32, jnp.bfloat16):
+    a = rms_norm._expand_matmul(v, 24, dtype)
+    b = rms_norm._expand_repeat(v, 24, dtype)
+    assert a.dtype == b.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    np.testing.assert_array_equal(np.asarray(b[..., 6:12], np.float32),
+                                  np.repeat(np.asarray(v[..., 1:2].astype(dtype), np.float32), 6, -1))
+
 # ----------------------------------------------------------------------------- formulas and init
 
 def test_swiglu_formula_and_init():
