@@ -220,11 +220,11 @@ def main(argv=None):
       targets, args.programs.split(","), args.directions.split(","), dtypes):
     r = run_worker(target, program, direction, dtype, {}, args.timeout, args.max_rss_gb)
     results.append(r)
+    RESULTS.write_text(json.dumps(_merge(RESULTS, [r]), indent=1) + "\n")  # kept if cut short
     log(f"{target} {dtype} {direction} {program}: "
         + (f"{r['cycles']:,} cycles in {r['compile_s']} s" if r["status"] == "ok"
            else f"{r['status']}: {r.get('error', '')[:100]}"))
   results = _merge(RESULTS, results)
-  RESULTS.write_text(json.dumps(results, indent=1) + "\n")
   text = table(sorted(results, key=lambda r: (r["target"], r["dtype"], r["direction"],
                                               [p for p, _ in TABLE].index(r["program"])
                                               if r["program"] in dict(TABLE) else 99)))
