@@ -83,3 +83,27 @@ def test_tuned_tpu_tiles_are_the_sweep_best():
     for dtype, fields in by_dtype.items():
       entry = blocks.TUNED[("mosaic", chip, dtype)]
       assert {f: getattr(entry, f) for f in fields} == fields, (chip, dtype)
+
+
+def test_a_row_of_parts_sums_their_compiles(monkeypatch):
+  """flash_ffn/kernels fwd+bwd is the forward kernel's compile plus the backward kernel's."""
+  def fake_worker(target, program, direction, dtype, blocks, timeout, max_rss_gb):
+    assert direction == "fwd"
+    n = {"flash_ffn/fwd_kernel": 1, "flash_ffn/bwd_kernel": 2}[program]
+    return dict(target=target, program=program, direction=direction, dtype=dtype, status="ok",
+                flops=10 * n, hbm_bytes=100 * n, cycles=1000 * n, kernel_cycles=900 * n,
+                compile_s=1.0 * n, top_ops={f"op{n}": 900 * n}, peak_rss_gb=float(n))
+  monkeypatch.setattr(perf, "run_worker", fake_worker)
+  row = perf.run_row("tpu-v5e", "flash_ffn/kernels", "fwd+bwd", "bfloat16", 1, 1)
+  assert (row["program"], row["direction"], row["status"]) == ("flash_ffn/kernels", "fwd+bwd", "ok")
+  assert (row["flops"], row["hbm_bytes"], row["cycles"], row["kernel_cycles"]) == (30, 300, 3000, 2700)
+  assert row["top_ops"] == {"op1": 900, "op2": 1800} and row["peak_rss_gb"] == 2.0
+  fwd = perf.run_row("tpu-v5e", "flash_ffn/kernels", "fwd", "bfloat16", 1, 1)
+  assert fwd["cycles"] == 1000
+
+  def failing_bwd(target, program, *a):
+    r = fake_worker(target, program, *a)
+    return r if program.endswith("fwd_kernel") else dict(r, status="crashed", error="abort")
+  monkeypatch.setattr(perf, "run_worker", failing_bwd)
+  row = perf.run_row("tpu-v5e", "flash_ffn/kernels", "fwd+bwd", "bfloat16", 1, 1)
+  assert (row["status"], row["error"]) == ("crashed", "abort")

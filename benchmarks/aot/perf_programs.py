@@ -75,7 +75,7 @@ def _flash_ffn(impl: str, dtype, overrides: dict):
 def _flash_ffn_kernel_only(which: str, dtype, overrides: dict):
   """The forward or the backward Mosaic kernel alone, on inputs already in its layout: what
   the block-size sweep compares (the op adds only layout copies, and through the op the
-  profiler takes ~10x longer to compile)."""
+  profiler takes ~10x longer to compile; its fwd+bwd ran past 16 GB)."""
   import jax
   import jax.numpy as jnp
   from pallas_kernels.flash_ffn import BlockSizes, mosaic, tiles
@@ -88,9 +88,9 @@ def _flash_ffn_kernel_only(which: str, dtype, overrides: dict):
   table = ((s["h"], plan.table_experts, plan.d_e, plan.d_h), dtype)
   router = ((s["h"], plan.experts_pad, plan.tokens), jnp.float32)
   flops = 2 * 3 * s["b"] * s["l"] * s["h"] * s["d"] * s["e"] * s["f"]
+  inputs = [(tokens, dtype), router] + [table] * 3
   if which == "fwd_kernel":
-    return (lambda *a: mosaic.forward(plan, *a, False)), [(tokens, dtype), router] + [table] * 3, \
-        flops
+    return (lambda *a: mosaic.forward(plan, *a, False)), inputs, flops
   return (lambda q, r, k, u, v, ds: mosaic.backward(plan, q, r, r, k, u, v, ds, False)), \
       [(tokens, dtype), router] + [table] * 3 + [(tokens, dtype)], 2 * flops
 
@@ -183,6 +183,8 @@ PROGRAMS = {
     "flash_ffn/kernel": ("flash_ffn", "Pallas kernel (mhffn)"),
     "flash_ffn/xla": ("flash_ffn", "XLA path (512-token chunks, checkpointed)"),
     "flash_ffn/swiglu": ("flash_ffn", "XLA SwiGLU, FLOP-matched (d = H d_h, d_ff = E d_e)"),
+    # Not compiled itself: perf.PARTS sums the kernels' programs.
+    "flash_ffn/kernels": ("flash_ffn", "the Mosaic kernels alone, inputs in their layout"),
     "flash_ffn/fwd_kernel": ("flash_ffn", "the forward kernel alone (block sweep)"),
     "flash_ffn/bwd_kernel": ("flash_ffn", "the backward kernel alone (block sweep)"),
     "frac/kernel": ("frac", "Pallas kernel (frac_scan)"),
