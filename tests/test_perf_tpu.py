@@ -107,3 +107,15 @@ def test_a_row_of_parts_sums_their_compiles(monkeypatch):
   monkeypatch.setattr(perf, "run_worker", failing_bwd)
   row = perf.run_row("tpu-v5e", "flash_ffn/kernels", "fwd+bwd", "bfloat16", 1, 1)
   assert (row["status"], row["error"]) == ("crashed", "abort")
+
+
+@pytest.mark.parametrize("direction,calls", [("fwd", 1), ("fwd+bwd", 4)])
+def test_pack3d_kernels_program_is_the_kernels_alone(direction, calls):
+  """perf's pack3d/kernels row lowers for TPU to Pack3D's Mosaic calls and no gather (the
+  layout stage's gathers are what abort libtpu's profiler)."""
+  import jax
+  from benchmarks.aot import perf_programs
+  program = perf_programs.build("pack3d/kernels", direction, "bfloat16")
+  args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in program.specs]
+  module = jax.export.export(jax.jit(program.fn), platforms=["tpu"])(*args).mlir_module()
+  assert module.count("tpu_custom_call") == calls and "gather" not in module

@@ -59,7 +59,8 @@ TABLE = [
     ("flash_ffn/xla", "flash_ffn/swiglu"),
     ("flash_ffn/swiglu", "flash_ffn/swiglu"),
     ("frac/kernel", "frac/xla"), ("frac/xla", "frac/xla"),
-    ("pack3d/kernel", "pack3d/xla"), ("pack3d/xla", "pack3d/xla"),
+    ("pack3d/kernel", "pack3d/xla"), ("pack3d/kernels", "pack3d/dense"),
+    ("pack3d/xla", "pack3d/xla"),
     ("pack3d/dense", "pack3d/xla"),
     ("layer/flash_ffn", "layer/swiglu"), ("layer/swiglu", "layer/swiglu"),
 ]

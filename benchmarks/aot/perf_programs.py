@@ -22,7 +22,7 @@ SWIGLU = dict(d=FFN["h"] * FFN["d"], d_ff=FFN["e"] * FFN["f"])
 # FRAC at the benchmark's head shape; the profiler's memory grows with the program (FRAC's
 # kernel at L = 8192 passed 14 GB), so L = 2048 (per-token figures were stable across sizes).
 FRAC = dict(b=1, l=2048, h=4, p=64, n=16, m=16)
-# Pack3D: a 16 x 32 x 32 token grid (4,096 cubes of 4^3), two heads of 48.
+# Pack3D: a 16 x 32 x 32 token grid (16,384 tokens in 256 cubes of 4^3), two heads of 48.
 PACK3D = dict(b=1, grid=(16, 32, 32), h=2, d=48)
 # Layers at the 370M width and 4k tokens.
 LAYER = dict(b=1, l=4096, d=1024)
@@ -153,6 +153,29 @@ def _pack3d(impl: str, dtype, overrides: dict):
       specs, flops
 
 
+def _pack3d_kernels(dtype, overrides: dict):
+  """Pack3D's Mosaic kernels alone (`attend`), on operands in their slot layout: the op's
+  layout stage (sorts and gathers in XLA) aborts libtpu's profiler, the kernels do not."""
+  import jax
+  from pallas_kernels import pack3d_attention as kernels
+  _, specs, flops = _pack3d("kernel", dtype, overrides)
+  static = {}
+
+  def operands(q, k, v, coords, field_ids):
+    ops, static["cfg"], static["options"], _ = kernels.kernel_operands(
+        q, k, v, coords, field_ids, block_shape=(4, 4, 4), radius_blocks=1, block_bias=True,
+        summary_rope=None, far_offset=None, max_cubes=math.prod(g // 4 for g in PACK3D["grid"]),
+        levels=1, level_radius=None, max_top_cubes=None, level_key_gain=None,
+        interpret=False, backend="mosaic", **overrides)
+    return ops
+
+  shapes = jax.eval_shape(operands, *(jax.ShapeDtypeStruct(s, d) for s, d in specs))
+  leaves, treedef = jax.tree.flatten(shapes)
+  fn = lambda *a: kernels.attend(*jax.tree.unflatten(treedef, a), static["cfg"],
+                                 static["options"])
+  return fn, [(l.shape, l.dtype) for l in leaves], flops
+
+
 def _layer(name: str, dtype):
   """(fn(params, x), [param specs..., x], model FLOPs) for an NNX layer at LAYER's shape."""
   import jax
@@ -190,6 +213,7 @@ PROGRAMS = {
     "frac/kernel": ("frac", "Pallas kernel (frac_scan)"),
     "frac/xla": ("frac", "XLA chunked path"),
     "pack3d/kernel": ("pack3d", "Pallas kernels (pack3d_attention)"),
+    "pack3d/kernels": ("pack3d", "the Mosaic kernels alone, operands in their slot layout"),
     "pack3d/xla": ("pack3d", "XLA path"),
     "pack3d/dense": ("pack3d", "dense XLA attention"),
     "layer/flash_ffn": ("layer", "FlashFFN(1024) layer, kernel"),
@@ -209,6 +233,9 @@ def build(name: str, direction: str, dtype_name: str, overrides: dict | None = N
     return _with_grad(fn, specs, num_diff, flops, kernel, direction)
   if name == "flash_ffn/swiglu":
     fn, specs, flops = _swiglu(dtype)
+  elif name == "pack3d/kernels":
+    fn, specs, flops = _pack3d_kernels(dtype, overrides)
+    return _with_grad(fn, specs, 5, flops, KERNEL_PREFIX[group], direction)
   elif impl in ("fwd_kernel", "bwd_kernel"):
     fn, specs, flops = _flash_ffn_kernel_only(impl, dtype, overrides)
     return Program(fn, specs, flops, _nbytes(specs), KERNEL_PREFIX[group])

@@ -139,7 +139,7 @@ def _from_slots(layout, o, heads: int, groups: int):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _attend(q, k, v, kbar, vbar, offset, tables, cfg: KernelConfig, options):
+def attend(q, k, v, kbar, vbar, offset, tables, cfg: KernelConfig, options):
   """offset: None, or beta [H, 1, Lo] float32 (then differentiable too): Lo = 1, one beta
   per head for every level, or Lo = L, beta_{k,h} at [h, 0, k - 1]."""
   return _attend_fwd(q, k, v, kbar, vbar, offset, tables, cfg, options)[0]
@@ -156,7 +156,7 @@ def _attend_bwd(cfg, options, residuals, do):
   return (*grads, None)
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def _level_summaries(layout, kbar, vbar, rows, levels: int, max_top_cubes, key_gain: float):
@@ -223,6 +223,25 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   Returns:
     o [B, N, H, D] in q.dtype; matmuls in the input dtype, softmax in float32.
   """
+  operands, cfg, options, finish = kernel_operands(
+      q, k, v, coords, field_ids, block_shape=block_shape, radius_blocks=radius_blocks,
+      block_bias=block_bias, summary_rope=summary_rope, far_offset=far_offset,
+      max_cubes=max_cubes, levels=levels, level_radius=level_radius,
+      max_top_cubes=max_top_cubes, level_key_gain=level_key_gain, interpret=interpret,
+      backend=backend, **block_sizes)
+  return finish(attend(*operands, cfg, options))
+
+
+def kernel_operands(q, k, v, coords, field_ids, *, block_shape, radius_blocks, block_bias,
+                    summary_rope, far_offset, max_cubes, levels, level_radius, max_top_cubes,
+                    level_key_gain, interpret, backend, **block_sizes):
+  """`pack3d_attention`'s XLA stage: checks, the cube layout, slots and summaries.
+
+  Returns (operands, cfg, options, finish): `attend(*operands, cfg, options)` runs the
+  kernels (differentiable in operands[:6]) and `finish` maps their output back to tokens.
+  Split out so that `make perf-tpu` can profile the kernels alone (the layout's gathers
+  abort libtpu's profiler).
+  """
   radii = levels_lib.level_radii(radius_blocks, levels, level_radius)
   key_gain = levels_lib.check_level_options(levels, max_top_cubes, level_key_gain,
                                             summary_rope=summary_rope)
@@ -273,8 +292,14 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     offset = jnp.asarray(far_offset).astype(_F32).reshape(heads, 1, 1)
   else:  # [L, H] -> [H, 1, L]
     offset = jnp.swapaxes(far_offset, 0, 1)[:, None, :]
-  o = _attend(q_s, k_s, v_s, kbar.astype(q.dtype), vbar.astype(q.dtype), offset, tables, cfg,
-              options)
+  operands = (q_s, k_s, v_s, kbar.astype(q.dtype), vbar.astype(q.dtype), offset, tables)
+  finish = functools.partial(_finish, layout, heads, groups, levels,
+                             top_slots if levels > 1 else None)
+  return operands, cfg, tuple(options), finish
+
+
+def _finish(layout, heads: int, groups: int, levels: int, top_slots, o):
+  """The kernels' output in slots -> [B, N, H, D], NaN where the layout overflowed."""
   o = poison_overflow(layout, _from_slots(layout, o, heads, groups))
   if levels > 1:
     o = levels_lib.poison_top_overflow(o, layout.keys, layout.count, levels, top_slots)
