@@ -119,3 +119,18 @@ def test_pack3d_kernels_program_is_the_kernels_alone(direction, calls):
   args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in program.specs]
   module = jax.export.export(jax.jit(program.fn), platforms=["tpu"])(*args).mlir_module()
   assert module.count("tpu_custom_call") == calls and "gather" not in module
+
+
+@pytest.mark.parametrize("which", ["fwd_kernel", "bwd_kernel", "routed_fwd_kernel",
+                                   "routed_bwd_kernel"])
+def test_flash_ffn_kernel_programs_are_one_kernel_each(which):
+  """Each part of the flash_ffn/kernels and routed_kernels rows is one Mosaic call on v5e's
+  tiles (the routed backward exists only when a head's tables fit one expert group)."""
+  import jax
+  from benchmarks.aot import perf_programs
+  from pallas_kernels.dispatch import target_chip
+  with target_chip("tpu-v5e"):
+    program = perf_programs.build(f"flash_ffn/{which}", "fwd", "bfloat16")
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in program.specs]
+    module = jax.export.export(jax.jit(program.fn), platforms=["tpu"])(*args).mlir_module()
+  assert module.count("tpu_custom_call") == 1

@@ -56,6 +56,7 @@ CHIPS = {"tpu-v5e": Chip(1.97e14 / (4 * 128 * 128 * 2), 4 * 128 * 128 * 2, 8.2e1
 # Rows of the table: (program, its group's baseline program).
 TABLE = [
     ("flash_ffn/kernel", "flash_ffn/swiglu"), ("flash_ffn/kernels", "flash_ffn/swiglu"),
+    ("flash_ffn/routed_kernels", "flash_ffn/swiglu"),
     ("flash_ffn/xla", "flash_ffn/swiglu"),
     ("flash_ffn/swiglu", "flash_ffn/swiglu"),
     ("frac/kernel", "frac/xla"), ("frac/xla", "frac/xla"),
@@ -68,7 +69,10 @@ TABLE = [
 # ask for 127 MiB of "HLO temp" VMEM that no real compile asks for (the compile check's
 # fwd+bwd cases pass), so each kernel is profiled on its own.
 PARTS = {("flash_ffn/kernels", "fwd"): ("flash_ffn/fwd_kernel",),
-         ("flash_ffn/kernels", "fwd+bwd"): ("flash_ffn/fwd_kernel", "flash_ffn/bwd_kernel")}
+         ("flash_ffn/kernels", "fwd+bwd"): ("flash_ffn/fwd_kernel", "flash_ffn/bwd_kernel"),
+         ("flash_ffn/routed_kernels", "fwd"): ("flash_ffn/routed_fwd_kernel",),
+         ("flash_ffn/routed_kernels", "fwd+bwd"): ("flash_ffn/routed_fwd_kernel",
+                                                   "flash_ffn/routed_bwd_kernel")}
 
 
 def run_row(target, program, direction, dtype, timeout, max_rss_gb) -> dict:
@@ -232,6 +236,8 @@ def main(argv=None):
   parser.add_argument("--programs", default=",".join(p for p, _ in TABLE))
   parser.add_argument("--sweep", action="store_true", help="FlashFFN block sizes instead")
   parser.add_argument("--readme", action="store_true", help="rewrite benchmarks/README.md's table")
+  parser.add_argument("--table", action="store_true",
+                      help="no compiles: the table of the results in perf.json")
   parser.add_argument("--timeout", type=float, default=900.0)
   parser.add_argument("--max-rss-gb", type=float, default=16.0)
   args = parser.parse_args(argv)
@@ -242,8 +248,8 @@ def main(argv=None):
     print(json.dumps(best, indent=1))
     return 0
   results = []
-  for target, program, direction, dtype in itertools.product(
-      targets, args.programs.split(","), args.directions.split(","), dtypes):
+  rows = itertools.product(targets, args.programs.split(","), args.directions.split(","), dtypes)
+  for target, program, direction, dtype in ([] if args.table else rows):
     r = run_row(target, program, direction, dtype, args.timeout, args.max_rss_gb)
     results.append(r)
     RESULTS.write_text(json.dumps(_merge(RESULTS, [r]), indent=1) + "\n")  # kept if cut short

@@ -88,11 +88,17 @@ def _flash_ffn_kernel_only(which: str, dtype, overrides: dict):
   table = ((s["h"], plan.table_experts, plan.d_e, plan.d_h), dtype)
   router = ((s["h"], plan.experts_pad, plan.tokens), jnp.float32)
   flops = 2 * 3 * s["b"] * s["l"] * s["h"] * s["d"] * s["e"] * s["f"]
+  routed = which.startswith("routed_")
+  if routed:  # W_r [H, d_h, E padded to 128 lanes] in place of the router weights
+    router = ((s["h"], s["d"], -(-s["e"] // 128) * 128), dtype)
+    flops += 2 * s["b"] * s["l"] * s["h"] * s["d"] * s["e"]
+  route = mosaic.Router(True, s["e"]) if routed else None
   inputs = [(tokens, dtype), router] + [table] * 3
-  if which == "fwd_kernel":
-    return (lambda *a: mosaic.forward(plan, *a, False)), inputs, flops
-  return (lambda q, r, k, u, v, ds: mosaic.backward(plan, q, r, r, k, u, v, ds, False)), \
-      [(tokens, dtype), router] + [table] * 3 + [(tokens, dtype)], 2 * flops
+  if which.endswith("fwd_kernel"):
+    return (lambda *a: mosaic.forward(plan, *a, False, router=route)), inputs, flops
+  return (lambda q, r, k, u, v, ds: mosaic.backward(plan, q, r, r, k, u, v, ds, False,
+                                                    router=route)), \
+      inputs + [(tokens, dtype)], 2 * flops
 
 
 def _swiglu(dtype):
@@ -206,10 +212,14 @@ PROGRAMS = {
     "flash_ffn/kernel": ("flash_ffn", "Pallas kernel (mhffn)"),
     "flash_ffn/xla": ("flash_ffn", "XLA path (512-token chunks, checkpointed)"),
     "flash_ffn/swiglu": ("flash_ffn", "XLA SwiGLU, FLOP-matched (d = H d_h, d_ff = E d_e)"),
-    # Not compiled itself: perf.PARTS sums the kernels' programs.
+    # Not compiled themselves: perf.PARTS sums the kernels' programs.
     "flash_ffn/kernels": ("flash_ffn", "the Mosaic kernels alone, inputs in their layout"),
+    "flash_ffn/routed_kernels": ("flash_ffn", "the same with the head norm and router inside "
+                                 "(mhffn_routed, as the layer runs them)"),
     "flash_ffn/fwd_kernel": ("flash_ffn", "the forward kernel alone (block sweep)"),
     "flash_ffn/bwd_kernel": ("flash_ffn", "the backward kernel alone (block sweep)"),
+    "flash_ffn/routed_fwd_kernel": ("flash_ffn", "the routed forward kernel alone"),
+    "flash_ffn/routed_bwd_kernel": ("flash_ffn", "the routed backward kernel alone"),
     "frac/kernel": ("frac", "Pallas kernel (frac_scan)"),
     "frac/xla": ("frac", "XLA chunked path"),
     "pack3d/kernel": ("pack3d", "Pallas kernels (pack3d_attention)"),
@@ -236,7 +246,7 @@ def build(name: str, direction: str, dtype_name: str, overrides: dict | None = N
   elif name == "pack3d/kernels":
     fn, specs, flops = _pack3d_kernels(dtype, overrides)
     return _with_grad(fn, specs, 5, flops, KERNEL_PREFIX[group], direction)
-  elif impl in ("fwd_kernel", "bwd_kernel"):
+  elif impl.endswith(("fwd_kernel", "bwd_kernel")):
     fn, specs, flops = _flash_ffn_kernel_only(impl, dtype, overrides)
     return Program(fn, specs, flops, _nbytes(specs), KERNEL_PREFIX[group])
   else:
