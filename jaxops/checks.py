@@ -91,6 +91,15 @@ def sequence(owner: str, name: str, x, width: int, width_name: str = "d_model") 
   nonempty(owner, name, x, layout)
 
 
+def features(owner: str, name: str, x, width: int, width_name: str = "d_model") -> None:
+  """A token-wise layer's input: float [..., width] holding at least one token."""
+  layout = f"[..., {width_name}={width}]"
+  if x.ndim < 1 or x.shape[-1] != width:
+    raise ValueError(f"{owner}: `{name}` must be {layout}, got shape {tuple(x.shape)}")
+  floating(owner, name, x)
+  nonempty(owner, name, x, layout)
+
+
 def floating(owner: str, name: str, x) -> None:
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise DtypeError(f"{owner}: `{name}` must be floating point (e.g. float32, bfloat16),"

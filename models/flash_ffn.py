@@ -1,4 +1,4 @@
-"""FlashFFN and SwiGLU as Flax NNX layers with one call signature: y = layer(x), x [B, L, d]."""
+"""FlashFFN and SwiGLU as Flax NNX layers with one call signature: y = layer(x), x [..., d]."""
 
 from __future__ import annotations
 
@@ -126,6 +126,13 @@ class FlashFFN(nnx.Module):
                                                 d_expert=d_expert, d_ff=d_ff, chunk=chunk)))
     checks.one_of("FlashFFN", "init", init, INITS)
     if num_heads is None:
+      if d_model % 8:
+        raise ValueError(
+            f"FlashFFN: `d_model` ({d_model}) has no default head count: the rule "
+            f"(`default_head_dim`) takes the largest head width <= {DEFAULT_HEAD_DIM} that is "
+            f"a multiple of 8 and divides d_model, and none does; use a d_model that is a "
+            f"multiple of 8 (e.g. {d_model // 8 * 8 or 8} or {d_model // 8 * 8 + 8}), or pass "
+            f"`num_heads` with d_model / num_heads a multiple of 8")
       num_heads = d_model // default_head_dim(d_model)
     if num_experts is None or d_expert is None:
       swiglu_params = 3 * d_model * (swiglu_width(d_model) if d_ff is None else d_ff)
@@ -175,12 +182,18 @@ class FlashFFN(nnx.Module):
     return router * gain[:, :, None], fold(k), fold(u), v
 
   def __call__(self, x):
-    """x [B, L, d] -> [B, L, d] in the compute dtype."""
-    checks.sequence("FlashFFN", "x", x, self.w_in.shape[0])
+    """x [..., d] -> [..., d] in the compute dtype, as SwiGLU: every token on its own.
+
+    [B, L, d] goes to the kernel as it is (its batch axis may be sharded); other ranks are
+    folded to that form, [N, d] as one sequence of N tokens.
+    """
+    checks.features("FlashFFN", "x", x, self.w_in.shape[0])
     dtype = self.dtype or x.dtype
     cfg = _Mixture(self.norm_gain is not None, self.impl, self.chunk, self.interpret)
-    return _ordered_layer(x.astype(dtype), self.w_in[...].astype(dtype),
-                          *self._folded(dtype), self.w_out[...].astype(dtype), cfg)
+    tokens = x.reshape((-1,) + x.shape[-2:] if x.ndim >= 3 else (1, -1, x.shape[-1]))
+    y = _ordered_layer(tokens.astype(dtype), self.w_in[...].astype(dtype),
+                       *self._folded(dtype), self.w_out[...].astype(dtype), cfg)
+    return y.reshape(x.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,10 +268,7 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x):
     """x [..., d] -> [..., d]."""
-    d_model = self.w_gate.shape[0]
-    if x.ndim < 1 or x.shape[-1] != d_model:
-      raise ValueError(f"SwiGLU: `x` must be [..., d_model={d_model}], got shape {x.shape}")
-    checks.floating("SwiGLU", "x", x)
+    checks.features("SwiGLU", "x", x, self.w_gate.shape[0])
     dtype = self.dtype or x.dtype
     w = [p[...].astype(dtype) for p in (self.w_gate, self.w_up, self.w_down)]
     return ffn_ops.swiglu(x.astype(dtype), *w)

@@ -259,9 +259,16 @@ def test_layer_impls_agree_and_router_is_normalized():
 
 
 def test_swiglu_has_the_same_signature():
+  """Both take [..., d]: FlashFFN folds other ranks to [B, L, d], token by token the same."""
   x = jax.random.normal(jax.random.key(4), (2, 5, D_MODEL))
-  assert SwiGLU(D_MODEL, 48, rngs=nnx.Rngs(0))(x).shape == x.shape
-  assert FlashFFN(D_MODEL, HEADS, EXPERTS, D_EXPERT, rngs=nnx.Rngs(0))(x).shape == x.shape
+  swiglu = SwiGLU(D_MODEL, 48, rngs=nnx.Rngs(0))
+  flash = FlashFFN(D_MODEL, HEADS, EXPERTS, D_EXPERT, impl="xla", rngs=nnx.Rngs(0))
+  y = flash(x)
+  assert swiglu(x).shape == y.shape == x.shape
+  for shaped in (x.reshape(10, D_MODEL), x.reshape(2, 1, 5, D_MODEL), x[0, 0]):
+    assert swiglu(shaped).shape == shaped.shape
+    np.testing.assert_allclose(flash(shaped), y.reshape(shaped.shape) if shaped.ndim != 1
+                               else y[0, 0], rtol=1e-5, atol=1e-6)
 
 
 def _rms_and_input_grad_rms(layer, d_model):
