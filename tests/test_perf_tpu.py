@@ -134,3 +134,12 @@ def test_flash_ffn_kernel_programs_are_one_kernel_each(which):
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in program.specs]
     module = jax.export.export(jax.jit(program.fn), platforms=["tpu"])(*args).mlir_module()
   assert module.count("tpu_custom_call") == 1
+
+
+def test_a_crash_says_libtpus_reason():
+  log = ("WARNING: something\nF1206 09:55:09.232064    7631 llo_dumper.cc:1697] Static LLO "
+         "profiling of pack3d_bwd_dq.1 failed: INVALID_ARGUMENT: Unsupported DMA direction\n"
+         "*** Check failure stack trace: ***\nF1206 09:55:09.2 7631 x.cc:1] again\n")
+  assert perf.abort_reason(log) == ("Static LLO profiling of pack3d_bwd_dq.1 failed: "
+                                    "INVALID_ARGUMENT: Unsupported DMA direction")
+  assert perf.abort_reason("Segmentation fault") == "libtpu aborted"

@@ -26,8 +26,10 @@ import itertools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import tempfile
 import time
 
 from benchmarks.aot import perf_programs
@@ -104,12 +106,13 @@ def run_worker(target: str, program: str, direction: str, dtype: str, blocks: di
   if not python.exists():
     sys.exit(f"perf: {python} is missing; run `make aot-setup` (it creates .venv-aot-tpu)")
   base = dict(target=target, program=program, direction=direction, dtype=dtype, blocks=blocks)
+  stderr = tempfile.TemporaryFile("w+")
   proc = subprocess.Popen(
       [str(python), "-m", "benchmarks.aot.perf_worker", f"--target={target}",
        f"--program={program}", f"--direction={direction}", f"--dtype={dtype}",
        f"--blocks={json.dumps(blocks)}"],
       cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-      stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+      stderr=stderr, text=True, start_new_session=True)
   start, peak = time.monotonic(), 0.0
   while proc.poll() is None:
     peak = max(peak, _rss_gb(proc.pid))
@@ -121,10 +124,18 @@ def run_worker(target: str, program: str, direction: str, dtype: str, blocks: di
     time.sleep(0.5)
   lines = [l for l in proc.stdout.read().splitlines() if l.startswith("RESULT ")]
   if not lines:
-    return dict(base, status="crashed", error=f"exit status {proc.returncode} (libtpu aborted)")
+    stderr.seek(0)
+    return dict(base, status="crashed",
+                error=f"exit status {proc.returncode}: {abort_reason(stderr.read())}")
   result = json.loads(lines[-1][len("RESULT "):])
   result["peak_rss_gb"] = round(peak, 1)
   return result
+
+
+def abort_reason(log: str) -> str:
+  """The message of libtpu's first fatal check (`F<date> ... file.cc:line] message`)."""
+  fatal = re.search(r"^F\d{4} [^\]]*\] (.*)$", log, re.MULTILINE)
+  return fatal.group(1).strip() if fatal else "libtpu aborted"
 
 
 def _rss_gb(pid: int) -> float:
