@@ -166,7 +166,7 @@ def table(results: list[dict]) -> str:
     what = perf_programs.PROGRAMS[r["program"]][1]
     head = f"| {r['target']} | {r['dtype']} | {r['direction']} | {what} |"
     if r["status"] != "ok":
-      lines.append(f"{head} {r['status']}: {r['error'][:90]} | | | | |")
+      lines.append(f"{head} {r['status']}: {_short(r['error'])} | | | | |")
       continue
     read = reading(r)
     base = by_key.get((r["target"], dict(TABLE)[r["program"]], r["direction"], r["dtype"]))
@@ -176,6 +176,13 @@ def table(results: list[dict]) -> str:
     lines.append(f"{head} {r['cycles']:,}{kernel} | {read['us']:,.0f} | {100 * read['mfu']:.0f}% "
                  f"| {read['floor_us']:,.0f} | {ratio} |")
   return "\n".join(lines)
+
+
+def _short(error: str) -> str:
+  """An error's first sentence that says something, for a table cell."""
+  error = re.sub(r"^(JaxRuntimeError: )?RESOURCE_EXHAUSTED: XLA:TPU compile permanent error\. ",
+                 "", error.splitlines()[0] if error else "")
+  return error[:110].replace("|", "/")
 
 
 def _merge(path: pathlib.Path, results: list[dict], key: str | None = None) -> list[dict]:
