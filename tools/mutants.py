@@ -626,6 +626,24 @@ MUTANTS = [
     m("pack3d_default_far_offset_on", "models/pack3d.py",
       "far_offset: bool = False", "far_offset: bool = True",
       "tests/test_pack3d_layer.py::test_far_offset_parameter"),
+    # FlashFFN as a drop-in: [..., d] folded to [B, L, d] and back
+    m("flashffn_unfolded_in_another_order", "models/flash_ffn.py",
+      "    return y.reshape(x.shape)", "    return jnp.swapaxes(y, 0, 1).reshape(x.shape)",
+      f"{FFN}::test_swiglu_has_the_same_signature"),
+    m("rms_expand_repeat_wrong_axis", "jaxops/rms_norm.py",
+      "jnp.repeat(v, width // v.shape[-1], axis=-1)",
+      "jnp.tile(v, width // v.shape[-1])",
+      f"{FFN}::test_group_expansion_forms_agree"),
+    # make perf-tpu's reading of its rows
+    m("perf_parts_not_summed", "benchmarks/aot/perf.py",
+      "row[field] = sum(r[field] for r in results)", "row[field] = results[-1][field]",
+      "tests/test_perf_tpu.py::test_a_row_of_parts_sums_their_compiles"),
+    m("perf_part_failure_ignored", "benchmarks/aot/perf.py",
+      "  if failed:\n", "  if False:\n",
+      "tests/test_perf_tpu.py::test_a_row_of_parts_sums_their_compiles"),
+    m("perf_reading_ignores_hbm_floor", "benchmarks/aot/perf.py",
+      "read_us=max(estimate, floor)", "read_us=estimate",
+      "tests/test_perf_tpu.py::test_reading_takes_the_larger_of_estimate_and_hbm_floor"),
 ]
 
 

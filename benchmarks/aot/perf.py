@@ -88,8 +88,9 @@ def run_row(target, program, direction, dtype, timeout, max_rss_gb) -> dict:
   failed = [r for r in results if r["status"] != "ok"]
   if failed:
     return dict(row, status=failed[0]["status"], error=failed[0]["error"])
-  for field in ("flops", "hbm_bytes", "cycles", "kernel_cycles", "compile_s"):
+  for field in ("flops", "hbm_bytes", "cycles", "kernel_cycles"):
     row[field] = sum(r[field] for r in results)
+  row["compile_s"] = round(sum(r["compile_s"] for r in results), 1)
   row["top_ops"] = {op: c for r in results for op, c in r["top_ops"].items()}
   return row
 
