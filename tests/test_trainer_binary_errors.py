@@ -72,6 +72,8 @@ CASES = [
     ("unknown_mode", LM, ["--mode=infer"], ["--mode", "infer", "train"]),
     ("sample_mode_of_seg3d", SEG, ["--mode=sample"], ["--mode=sample", "train, eval, config"]),
     ("train_without_config", LM, "no config", ["--config=FILE is required", "train"]),
+    ("override_without_config", LM, ("no config", "--mode=sample", "--config.sample.prompt=hi"),
+     ["--config.sample.prompt=hi", "no --config=FILE", "--config=configs/"]),
     ("eval_of_a_workdir_without_a_run", LM, ["--mode=eval"], ["config.json", "workdir of a training run"]),
     ("negative_init_timeout", LM, ["--init_timeout_s=-1"], ["--init_timeout_s", "-1"]),
     ("seg3d_unknown_model_kind", SEG, ["--config.model.kind=vit"],
@@ -91,6 +93,8 @@ def argv(binary, flags, workdir):
     return module, [f"--config={config}"]
   if flags == "no config":
     return module, [f"--workdir={workdir}"]
+  if isinstance(flags, tuple):                      # ("no config", flag, ...)
+    return module, [f"--workdir={workdir}", *flags[1:]]
   if isinstance(flags, str):                        # "workdir=PATH"
     return module, [f"--config={config}", f"--{flags}"]
   return module, [f"--config={config}", f"--workdir={workdir}", *flags]
@@ -106,7 +110,7 @@ def results(tmp_path_factory):
                        cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
   assert out.returncode == 0, out.stderr[-3000:]
-  return dict(zip((c[0] for c in CASES), json.loads(out.stdout)))
+  return dict(zip((c[0] for c in CASES), json.loads(out.stdout)), workdirs=workdir)
 
 
 @pytest.mark.parametrize("name, expected", [(c[0], c[3]) for c in CASES], ids=[c[0] for c in CASES])
@@ -118,6 +122,13 @@ def test_bad_input_is_one_clear_line(results, name, expected):
   assert "Traceback" not in result["output"] and len(error_lines) == 1, result["output"][-3000:]
   for text in expected:
     assert text in error_lines[0], error_lines[0]
+
+
+@pytest.mark.parametrize("name", ["zero_steps", "unknown_mixer", "missing_data_file"])
+def test_a_rejected_config_leaves_no_empty_workdir(results, name):
+  """The workdir a rejected training command created is removed again (it holds nothing)."""
+  assert results[name]["status"] == 2
+  assert not (results["workdirs"] / name).exists()
 
 
 def test_an_unwritable_workdir_fails_before_anything_slow(results):

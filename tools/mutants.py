@@ -634,6 +634,10 @@ MUTANTS = [
       "jnp.repeat(v, width // v.shape[-1], axis=-1)",
       "jnp.tile(v, width // v.shape[-1])",
       f"{FFN}::test_group_expansion_forms_agree"),
+    # the training binaries' command line
+    m("cli_rejected_config_keeps_its_workdir", "train/cli.py",
+      "            _remove_if_empty(workdir())", "            pass",
+      "tests/test_trainer_binary_errors.py::test_a_rejected_config_leaves_no_empty_workdir"),
     # make perf-tpu's reading of its rows
     m("perf_parts_not_summed", "benchmarks/aot/perf.py",
       "row[field] = sum(r[field] for r in results)", "row[field] = results[-1][field]",

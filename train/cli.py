@@ -96,6 +96,11 @@ def _unknown_flag(error: flags.UnrecognizedFlagError, argv: list[str]) -> str:
   name, given = error.flagname, str(error.flagvalue or f"--{error.flagname}")
   value = given.split("=", 1)[1] if "=" in given else "..."
   config_file = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+  if name.startswith("config.") and not config_file:
+    return (f"{given} overrides a field of a config file, but no --config=FILE was given: "
+            "add the experiment's file (e.g. --config=configs/lm_default.py; in eval and "
+            "sample modes the one the run was trained with, whose saved fields the "
+            "overrides then replace)")
   try:
     config = runpy.run_path(config_file)["get_config"]() if config_file else None
   except Exception:  # noqa: BLE001  (the hint is optional; the error stands without it)
@@ -148,6 +153,13 @@ def initialize() -> None:
   if _COORDINATOR.value:
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            timeout_s=_INIT_TIMEOUT_S.value)
+
+
+def _remove_if_empty(path: str) -> None:
+  try:
+    os.rmdir(path)
+  except OSError:  # not empty (something was written: keep it) or already gone
+    pass
 
 
 def workdir() -> str:
@@ -239,9 +251,15 @@ def run(train_and_evaluate: Callable, *, sample: Callable | None = None) -> None
         raise errors.UsageError(f"--workdir is required with --mode={mode}: the run's "
                                 "directory (checkpoints, metrics, config.json)")
       if mode == "train":
+        created = not os.path.exists(workdir())
         trainer.prepare_workdir(workdir())       # fails in a second, before any compiling
-        initialize()
-        train_and_evaluate(config, workdir())
+        try:
+          initialize()
+          train_and_evaluate(config, workdir())
+        except errors.UsageError:
+          if created:                            # a rejected config leaves no empty run behind
+            _remove_if_empty(workdir())
+          raise
         return
       config = run_config(config)
       initialize()
