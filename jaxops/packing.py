@@ -85,6 +85,9 @@ def pack_fields(grids):
     coords: int32 [N, 3], each token's (z, y, x) in its own field;
     field_ids: int32 [N], the index i of each token's field.
   """
+  if hasattr(grids, "shape"):
+    raise TypeError(f"pack_fields: `grids` must be a list of grids, got one array of shape "
+                    f"{tuple(grids.shape)}: pass [grid] for a single field")
   if not grids:
     raise ValueError("pack_fields: `grids` is empty")
   lead = grids[0].shape[:-4] + grids[0].shape[-1:]

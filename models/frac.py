@@ -106,7 +106,13 @@ class FRACMixer(nnx.Module):
                init: str = "default", selective_dt: bool = True,
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
     checks.ints("FRACMixer", dict(d_model=d_model, num_heads=num_heads))
-    head_dim = max(1, d_model // num_heads) if head_dim is None else head_dim
+    if head_dim is None:
+      if d_model % num_heads:
+        raise ValueError(
+            f"FRACMixer: `d_model` ({d_model}) is not a multiple of `num_heads` ({num_heads}), "
+            f"so the default head_dim = d_model / num_heads is not whole; pass `head_dim` "
+            f"(the inner width is num_heads * head_dim) or a num_heads that divides d_model")
+      head_dim = d_model // num_heads
     checks.ints("FRACMixer", dict(head_dim=head_dim, state_dim=state_dim, context=context, conv_width=conv_width,
                                   **checks.given(chunk=chunk)))
     if not mamba2 and num_modes is not None:
