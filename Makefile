@@ -35,8 +35,11 @@ test-slow: setup
 mutants: setup
 	JAX_PLATFORMS=cpu $(PY) -m tools.mutants
 
+# One fixed workdir, so that rerunning `make demo` resumes an interrupted demo (a finished one
+# says so and trains nothing); `make demo DEMO_DIR=runs/demo2` starts another.
+DEMO_DIR ?= runs/demo
 demo: setup
-	JAX_PLATFORMS=cpu $(PY) -m train.train_lm --config=configs/lm_default.py --workdir=runs/demo-$$(date +%Y%m%d-%H%M%S)
+	JAX_PLATFORMS=cpu $(PY) -m train.train_lm --config=configs/lm_default.py --workdir=$(DEMO_DIR)
 
 bench: setup
 	JAX_PLATFORMS=cpu $(PY) -m benchmarks.flash_ffn_memory
