@@ -64,7 +64,7 @@ TABLE = [
     ("frac/kernel", "frac/xla"), ("frac/xla", "frac/xla"),
     ("pack3d/kernel", "pack3d/xla"), ("pack3d/kernels", "pack3d/dense"),
     ("pack3d/xla", "pack3d/xla"),
-    ("pack3d/dense", "pack3d/xla"),
+    ("pack3d/dense", "pack3d/dense"),
     ("layer/flash_ffn", "layer/swiglu"), ("layer/swiglu", "layer/swiglu"),
 ]
 # Rows read as the sum of separate compiles: FlashFFN's two kernels in one profiled program
