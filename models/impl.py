@@ -1,9 +1,10 @@
 """Which implementation of an op a layer calls, one vocabulary for every layer and model.
 
   "auto"       the default: "pallas" where the default backend compiles the kernels (TPU:
-               Mosaic; NVIDIA GPU: Triton, or Mosaic GPU for FlashFFN on Hopper, as
-               `pallas_kernels.dispatch` picks), "xla" elsewhere (CPU, or a layer option
-               the kernel does not cover); resolved when the layer is built
+               Mosaic; NVIDIA GPU: Mosaic GPU or Triton by op, chip and dtype, as
+               `pallas_kernels.dispatch` picks: README's table, `python -m
+               tools.kernel_table`), "xla" elsewhere (CPU, or a layer option the kernel
+               does not cover); resolved when the layer is built
   "pallas"     the Pallas kernel; on CPU it runs in interpret mode (slow, for tests)
   "xla"        the fast pure-XLA path (`jaxops`)
   "reference"  the plain reference (`jaxops`), for checking
