@@ -215,6 +215,23 @@ def test_kernel_options_and_default_dispatch_match_reference():
 
 # ----------------------------------------------------------------------------- spec identities
 
+def test_reference_cube_means_are_segment_sums_not_matmuls():
+  """The reference's per-token cube means: each token gets its own cube's mean (numpy, by
+  cube), computed with scatter-adds and no dot_general (a GEMM over tokens is free to split
+  its contraction per chip: the H200 discrepancy, benchmarks/README.md)."""
+  rng = np.random.default_rng(3)
+  ids = np.array([[0, 0, 2, 2, 2, 5, 0], [1, 1, 1, 1, 4, 4, 6]])
+  x = rng.standard_normal((2, 7, 2, 3)).astype(np.float32)
+  got = np.asarray(ops.per_token_cube_mean(jnp.asarray(x), jnp.asarray(ids)))
+  want = np.stack([np.stack([x[b, ids[b] == ids[b, j]].mean(0) for j in range(7)])
+                   for b in range(2)])
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  counts = ops.per_token_cube_mean(jnp.ones(ids.shape), jnp.asarray(ids), sums=True)
+  np.testing.assert_array_equal(counts, [[3, 3, 3, 3, 3, 1, 3], [4, 4, 4, 4, 2, 2, 1]])
+  jaxpr = str(jax.make_jaxpr(ops.per_token_cube_mean)(x, ids))
+  assert "scatter-add" in jaxpr and "dot_general" not in jaxpr
+
+
 def test_cube_of_identical_keys_counts_like_its_tokens():
   """With keys and values constant inside every cube, the log(n_b) bias makes Pack3D equal
   full attention within each field (far cubes stand exactly for their tokens)."""

@@ -638,6 +638,9 @@ MUTANTS = [
     m("cli_rejected_config_keeps_its_workdir", "train/cli.py",
       "            _remove_if_empty(workdir())", "            pass",
       "tests/test_trainer_binary_errors.py::test_a_rejected_config_leaves_no_empty_workdir"),
+    m("pack3d_reference_cube_means_unnormalized", "jaxops/pack3d.py",
+      "    if sums:\n      return total[ids]\n", "    if True:\n      return total[ids]\n",
+      "tests/test_pack3d.py::test_reference_cube_means_are_segment_sums_not_matmuls"),
     # make perf-tpu's reading of its rows
     m("perf_parts_not_summed", "benchmarks/aot/perf.py",
       "row[field] = sum(r[field] for r in results)", "row[field] = results[-1][field]",
