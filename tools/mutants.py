@@ -641,6 +641,9 @@ MUTANTS = [
     m("pack3d_reference_cube_means_unnormalized", "jaxops/pack3d.py",
       "    if sums:\n      return total[ids]\n", "    if True:\n      return total[ids]\n",
       "tests/test_pack3d.py::test_reference_cube_means_are_segment_sums_not_matmuls"),
+    m("decay_mask_ignores_linen_marks", "train/optim.py",
+      'getattr(x, "metadata", {}).get("weight_decay", True)', "True",
+      "tests/test_readme.py::test_readme_section_runs"),
     # make perf-tpu's reading of its rows
     m("perf_parts_not_summed", "benchmarks/aot/perf.py",
       "row[field] = sum(r[field] for r in results)", "row[field] = results[-1][field]",

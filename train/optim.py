@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import optax
 from flax import nnx
+from flax.core import meta
 
 from train.errors import UsageError
 
@@ -24,12 +25,22 @@ def schedule(optim_config, steps: int) -> optax.Schedule:
 
 def decay_mask(params):
   """True for the parameters AdamW decays: ndim >= 2 and not a scale (`models.partitioning.scale`
-  marks norm gains such as FlashFFN's [H, d_h] one with weight_decay=False). `params` is an
-  nnx.State of Variables (or plain arrays, judged by rank alone); returns a tree of bools that
-  is a prefix of it."""
-  is_var = lambda x: isinstance(x, nnx.Variable)
-  decays = lambda x: x.ndim >= 2 and (not is_var(x) or x.get_metadata("weight_decay", True))
-  return jax.tree.map(decays, params, is_leaf=is_var)
+  marks norm gains such as FlashFFN's [H, d_h] one with weight_decay=False).
+
+  `params`: an nnx.State of Variables; or a Linen params tree, as `flax.nnx.bridge.to_linen`
+  layers make it (their leaves are boxed metadata carrying the same mark), for
+  `optax.adamw(..., mask=decay_mask(variables["params"]))` on the unboxed params; or plain
+  arrays, judged by rank alone. Returns a tree of bools that is a prefix of it (of the
+  unboxed tree, for boxed leaves)."""
+  boxed = lambda x: isinstance(x, (nnx.Variable, meta.AxisMetadata))
+
+  def decays(x):
+    if isinstance(x, nnx.Variable):
+      return x.ndim >= 2 and x.get_metadata("weight_decay", True)
+    if isinstance(x, meta.AxisMetadata):
+      return x.unbox().ndim >= 2 and getattr(x, "metadata", {}).get("weight_decay", True)
+    return x.ndim >= 2
+  return jax.tree.map(decays, params, is_leaf=boxed)
 
 
 def make_optimizer(optim_config, steps: int) -> optax.GradientTransformation:
