@@ -114,13 +114,17 @@ class FlashFFN(nnx.Module):
       "reference"; see `models.impl`.
     chunk: tokens per chunk of the "xla" path (None: `models.impl.CHUNKS`, 512).
     interpret: passed to the Pallas kernel (None: interpret on CPU only).
+    backend: force a kernel body, "mosaic", "triton" or "mosaic_gpu" (None: the dispatch's
+      choice per chip and dtype; README's table). `models.impl.kernel_body(layer, x)` says
+      which body a call runs.
     dtype: compute dtype (params are cast to it); None uses the input's dtype.
   """
 
   def __init__(self, d_model: int, num_heads: int | None = None, num_experts: int | None = None,
                d_expert: int | None = None, *, d_ff: int | None = None, head_norm: bool = True,
                init: str = "scaled", impl: Impl = "auto", chunk: int | None = None, interpret=None,
-               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               backend: str | None = None, dtype=None, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
     checks.ints("FlashFFN", dict(d_model=d_model,
                                  **checks.given(num_heads=num_heads, num_experts=num_experts,
                                                 d_expert=d_expert, d_ff=d_ff, chunk=chunk)))
@@ -144,8 +148,8 @@ class FlashFFN(nnx.Module):
     checks.multiple("FlashFFN", "the head width d_model / num_heads", d_h, 8)
     checks.multiple("FlashFFN", "`d_expert`", d_expert, 8)
     self.num_heads, self.impl, self.chunk, self.dtype = (
-        num_heads, resolve_impl("FlashFFN", impl), chunk, dtype)
-    self.interpret = interpret
+        num_heads, resolve_impl("FlashFFN", impl, backend=backend), chunk, dtype)
+    self.interpret, self.backend = interpret, backend
     if init == "scaled":
       w_init = jax.nn.initializers.lecun_normal()
       gate_up, down = _normal(1 / d_h), _normal(num_experts / d_expert)
@@ -189,7 +193,8 @@ class FlashFFN(nnx.Module):
     """
     checks.features("FlashFFN", "x", x, self.w_in.shape[0])
     dtype = self.dtype or x.dtype
-    cfg = _Mixture(self.norm_gain is not None, self.impl, self.chunk, self.interpret)
+    cfg = _Mixture(self.norm_gain is not None, self.impl, self.chunk, self.interpret,
+                   self.backend)
     tokens = x.reshape((-1,) + x.shape[-2:] if x.ndim >= 3 else (1, -1, x.shape[-1]))
     y = _ordered_layer(tokens.astype(dtype), self.w_in[...].astype(dtype),
                        *self._folded(dtype), self.w_out[...].astype(dtype), cfg)
@@ -199,19 +204,21 @@ class FlashFFN(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class _Mixture:
   """How `_ordered_layer` runs the mixture: head norm on or off, and the op's implementation
-  (`models.impl`) with its chunk and interpret options."""
+  (`models.impl`) with its chunk, interpret and backend options."""
 
   normalize: bool
   impl: str
   chunk: int | None
   interpret: object
+  backend: str | None = None
 
   def __call__(self, q, router, k, u, v):
     """W_in's output q [B, L, d] -> the mixture's output [B, L, d]."""
     # d_h from the router: under shard_map the layer sees its local heads only.
     o = impl_table.call("flash_ffn_routed", self.impl,
                         q.reshape(*q.shape[:-1], -1, router.shape[1]), router, k, u, v,
-                        chunk=self.chunk, interpret=self.interpret, normalize=self.normalize)
+                        chunk=self.chunk, interpret=self.interpret, backend=self.backend,
+                        normalize=self.normalize)
     return o.reshape(q.shape)
 
 

@@ -91,6 +91,9 @@ class FRACMixer(nnx.Module):
     impl: "auto" (default), "pallas" (kernel), "xla" (chunked XLA path) or "reference"
       (sequential scan); see `models.impl`.
     interpret: passed to the Pallas kernel (None: interpret on CPU only).
+    backend: force a kernel body, "mosaic", "triton" or "mosaic_gpu" (None: the dispatch's
+      choice per chip and dtype; README's table); `models.impl.kernel_body(layer, ...)` says
+      which body a call runs.
     learn_timescale: whether log_timescale (init 0 for FRAC) is trained.
     init: "default" or "mamba_ssm" (mamba2=True only); see above.
     selective_dt: False: dt_h = softplus(dt_bias_h), not a function of the input.
@@ -102,6 +105,7 @@ class FRACMixer(nnx.Module):
                state_dim: int = 16,
                num_modes: int | None = None, context: int = 2048, alpha_min: float = ALPHA_MIN,
                alpha_init=None, conv_width: int = 4, impl: Impl = "auto", interpret=None,
+               backend: str | None = None,
                mamba2: bool = False, learn_timescale: bool = True, chunk: int | None = None,
                init: str = "default", selective_dt: bool = True,
                dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -129,7 +133,8 @@ class FRACMixer(nnx.Module):
                        "needs mamba2=True")
     self.num_heads, self.head_dim, self.state_dim = num_heads, head_dim, state_dim
     self.context, self.alpha_min, self.chunk = context, alpha_min, chunk
-    self.impl, self.interpret = resolve_impl("FRACMixer", impl), interpret
+    self.impl = resolve_impl("FRACMixer", impl, backend=backend)
+    self.interpret, self.backend = interpret, backend
     self.mamba2, self.learn_timescale, self.dtype = mamba2, learn_timescale, dtype
     self.init, self.selective_dt = init, selective_dt
     self.num_modes = 1 if mamba2 else (num_modes or frac_ops.default_num_modes(context))
@@ -270,7 +275,7 @@ class FRACMixer(nnx.Module):
     xs, dt, b, c = self._scan_inputs(xs, bc, dt_raw)
     rates, weights = self.modes()
     y, _ = impl_table.call("frac_scan", self.impl, xs, dt, b, c, rates, weights,
-                           chunk=self.chunk, interpret=self.interpret)
+                           chunk=self.chunk, interpret=self.interpret, backend=self.backend)
     return self._output(y, xs, z)
 
   def init_cache(self, batch: int, dtype=None):

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 import jax
+from flax import nnx
 from jax.extend import backend as jax_backend
 
 from jaxops import checks
@@ -30,6 +31,7 @@ from jaxops import pack3d as pack3d_ops
 from pallas_kernels import flash_ffn as ffn_kernel
 from pallas_kernels import frac_scan as frac_kernel
 from pallas_kernels import pack3d_attention as pack3d_kernel
+from pallas_kernels.dispatch import BACKENDS
 
 Impl = Literal["auto", "pallas", "xla", "reference"]
 IMPLS: tuple[str, ...] = get_args(Impl)
@@ -43,15 +45,48 @@ def compiles_kernels() -> bool:
                               and "cuda" in jax_backend.backends())
 
 
-def resolve_impl(owner: str, impl: str, *, has_kernel: bool = True) -> str:
+def resolve_impl(owner: str, impl: str, *, has_kernel: bool = True,
+                 backend: str | None = None) -> str:
   """`impl` checked against IMPLS, with "auto" replaced by "pallas" or "xla" (see above).
 
   has_kernel=False: the layer's configuration has no kernel, so "auto" is "xla".
+  backend: a kernel body to force ("mosaic", "triton", "mosaic_gpu"; None: the dispatch's
+  choice); it makes "auto" "pallas" (on CPU the chosen body then runs interpreted) and is an
+  error beside "xla", "reference" or a configuration without a kernel.
   """
   checks.one_of(owner, "impl", impl, IMPLS)
+  if backend is not None:
+    checks.one_of(owner, "backend", backend, BACKENDS)
+    if impl not in ("auto", "pallas") or not has_kernel:
+      why = f"impl={impl!r}" if has_kernel else "this configuration, which has no kernel"
+      raise ValueError(f"{owner}: `backend` ({backend!r}) picks a kernel body, but {why} runs "
+                       "no kernel; use impl='pallas' or 'auto'")
+    return "pallas"
   if impl != "auto":
     return impl
   return "pallas" if has_kernel and compiles_kernels() else "xla"
+
+
+# Each kernel body's custom call in a lowered program (`kernel_body`).
+BODY_CALLS = {"Mosaic TPU": "tpu_custom_call", "Mosaic GPU": "mosaic_gpu",
+              "Triton": "__gpu$xla.gpu.triton"}
+
+
+def kernel_body(fn, *args, platform: str | None = None) -> str:
+  """Which kernel body fn(*args) runs, read from its lowered program: "Mosaic TPU", "Mosaic
+  GPU", "Triton", or "XLA" when it calls none (the XLA path or the reference, or a kernel
+  interpreted on CPU). `fn` may be an NNX layer: `kernel_body(FlashFFN(64, rngs=rngs), x)`.
+  platform: None lowers for the default backend; "tpu" exports for a TPU from any machine
+  (a layer built on CPU needs impl="pallas" for that, as "auto" resolved to "xla" there)."""
+  if isinstance(fn, nnx.Module):
+    graphdef, state = nnx.split(fn)
+    fn, args = (lambda state, *a: nnx.merge(graphdef, state)(*a)), (state, *args)
+  if platform is None:
+    text = jax.jit(fn).lower(*args).as_text()
+  else:
+    text = jax.export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
+  found = [name for name, call in BODY_CALLS.items() if call in text]
+  return " + ".join(found) or "XLA"
 
 
 # The XLA paths' default chunks: tokens per step (flash_ffn), scan chunk length (frac_scan),
@@ -84,22 +119,23 @@ def _routed(q, w_r, normalize):
 # kernel's own tiles, or CHUNKS[op] on the XLA path).
 OPS = {
     "flash_ffn": {
-        "pallas": lambda *a, chunk, interpret: ffn_kernel.mhffn(*a, interpret=interpret),
+        "pallas": lambda *a, chunk, interpret, **o: ffn_kernel.mhffn(*a, interpret=interpret,
+                                                                     **o),
         "xla": lambda *a, chunk, interpret: ffn_ops.mhffn(*a, chunk=chunk),
         "reference": lambda *a, chunk, interpret: ffn_ops.mhffn_reference(*a),
     },
     # FlashFFN's head norm, router and mixture from W_in's output (the layer's op).
     "flash_ffn_routed": {
-        "pallas": lambda *a, chunk, interpret, normalize: ffn_kernel.mhffn_routed(
-            *a, normalize=normalize, interpret=interpret),
+        "pallas": lambda *a, chunk, interpret, normalize, **o: ffn_kernel.mhffn_routed(
+            *a, normalize=normalize, interpret=interpret, **o),
         "xla": lambda q, w_r, *t, chunk, interpret, normalize: ffn_ops.mhffn(
             *_routed(q, w_r, normalize), *t, chunk=chunk),
         "reference": lambda q, w_r, *t, chunk, interpret, normalize: ffn_ops.mhffn_reference(
             *_routed(q, w_r, normalize), *t),
     },
     "frac_scan": {
-        "pallas": lambda *a, chunk, interpret: frac_kernel.frac_scan(
-            *a, interpret=interpret, **({} if chunk is None else {"chunk": chunk})),
+        "pallas": lambda *a, chunk, interpret, **o: frac_kernel.frac_scan(
+            *a, interpret=interpret, **({} if chunk is None else {"chunk": chunk}), **o),
         "xla": lambda *a, chunk, interpret: frac_ops.frac_scan(*a, chunk=chunk),
         "reference": lambda *a, chunk, interpret: frac_ops.frac_scan_reference(*a),
     },
@@ -111,9 +147,12 @@ OPS = {
 }
 
 
-def call(op: str, impl: str, *arrays, chunk: int | None = None, interpret=None, **options):
+def call(op: str, impl: str, *arrays, chunk: int | None = None, interpret=None,
+         backend: str | None = None, **options):
   """OPS[op][impl](*arrays, ...) for a resolved impl ("pallas", "xla" or "reference"); the XLA
-  path gets `chunk` or CHUNKS[op]."""
+  path gets `chunk` or CHUNKS[op]; the kernel gets `backend` when one is forced."""
   if impl == "xla" and chunk is None:
     chunk = CHUNKS[op]
+  if backend is not None:
+    options["backend"] = backend
   return OPS[op][impl](*arrays, chunk=chunk, interpret=interpret, **options)

@@ -41,6 +41,9 @@ class Pack3DAttention(nnx.Module):
     impl: "auto" (default), "pallas" (kernel), "xla" (cube-gather XLA path) or "reference"
       (dense); see `models.impl`. "auto" with merge "gated" or "local" is "xla".
     interpret: passed to the Pallas kernel (None: interpret on CPU only).
+    backend: force a kernel body, "mosaic", "triton" or "mosaic_gpu" (None: the dispatch's
+      choice per chip and dtype; README's table); `models.impl.kernel_body(layer, ...)` says
+      which body a call runs.
     merge: "joint" (one softmax over both branches), "gated" (NSA-style: per-head
       sigmoid gates from x weight two separately normalized branches; XLA/reference only)
       or "local" (the local branch alone, no far summaries: the local-only ablation;
@@ -80,7 +83,8 @@ class Pack3DAttention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, *, block_shape: Sequence[int] = (4, 4, 4),
                radius_blocks: int = 1, position: Position = "axial_rope", impl: Impl = "auto",
-               interpret=None, max_len: int | None = None, block_bias: bool = True,
+               interpret=None, backend: str | None = None, max_len: int | None = None,
+               block_bias: bool = True,
                merge: str = "joint", rotate_summaries: str = "before", rope_theta: float = 10000.0,
                spacing: Sequence[float] = (1.0, 1.0, 1.0), max_cubes: int | None = None,
                far_offset: bool = False, levels: int = 1, level_radius=None,
@@ -116,8 +120,8 @@ class Pack3DAttention(nnx.Module):
                        f"{merge!r}, rotate_summaries={rotate_summaries!r})")
     self.num_heads, self.head_dim = num_heads, head_dim
     self.position, self.merge = position, merge
-    self.impl = resolve_impl(owner, impl, has_kernel=merge == "joint")
-    self.interpret = interpret
+    self.impl = resolve_impl(owner, impl, has_kernel=merge == "joint", backend=backend)
+    self.interpret, self.backend = interpret, backend
     self.rope = dict(theta=rope_theta, spacing=tuple(spacing))
     self.op_kwargs = dict(block_shape=tuple(block_shape), radius_blocks=radius_blocks,
                           block_bias=block_bias,
@@ -147,7 +151,8 @@ class Pack3DAttention(nnx.Module):
     kwargs = dict(self.op_kwargs, far_offset=None if self.far_offset is None
                   else self.far_offset[...].astype(jnp.float32))
     return impl_table.call("pack3d", self.impl, q, k, v, coords, field_ids, gates=gates,
-                           max_cubes=self.max_cubes, interpret=self.interpret, **kwargs)
+                           max_cubes=self.max_cubes, interpret=self.interpret,
+                           backend=self.backend, **kwargs)
 
   def __call__(self, x, coords, field_ids):
     """x [B, N, d], coords int [B, N, 3], field_ids int [B, N] -> [B, N, d] (compute dtype)."""

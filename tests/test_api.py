@@ -74,3 +74,34 @@ def test_interpret_reaches_the_kernel_layers():
   layers = [node for _, node in nnx.iter_graph(model) if hasattr(node, "interpret")]
   assert len(layers) == 2 and all(layer.interpret is True for layer in layers)
   assert all(block.pallas_mixer and block.pallas_ffn for block in model.blocks)
+
+
+@pytest.mark.parametrize("name, op", [("FlashFFN", "flash_ffn_routed"), ("FRACMixer", "frac_scan"),
+                                      ("Pack3DAttention", "pack3d")])
+def test_backend_reaches_the_kernel_and_makes_auto_the_kernel(name, op, monkeypatch):
+  """backend= forces a kernel body: "auto" becomes "pallas" (on CPU it runs interpreted) and
+  the kernel function is called with that backend."""
+  import jax.numpy as jnp
+  layer = BUILD[name](backend="triton", rngs=nnx.Rngs(0))
+  assert layer.impl == "pallas"
+  seen = []
+  real = impl_module.OPS[op]["pallas"]
+  monkeypatch.setitem(impl_module.OPS[op], "pallas",
+                      lambda *a, **kw: seen.append(kw.get("backend")) or real(*a, **kw))
+  if name == "Pack3DAttention":
+    from jaxops import packing
+    coords = packing.grid_coords((2, 2, 2))[None]
+    layer(jnp.ones((1, 8, 12)), coords, jnp.zeros((1, 8), jnp.int32))
+  else:
+    layer(jnp.ones((1, 8, 32 if name == "FlashFFN" else 16)))
+  assert seen == ["triton"]
+
+
+def test_kernel_body_reads_the_lowered_program():
+  """kernel_body names the body a call lowers to: on CPU the XLA path calls none, and the
+  kernel exported for a TPU is Mosaic's."""
+  import jax.numpy as jnp
+  x = jnp.ones((1, 8, 32))
+  assert impl_module.kernel_body(BUILD["FlashFFN"](impl="xla", rngs=nnx.Rngs(0)), x) == "XLA"
+  kernel = BUILD["FlashFFN"](impl="pallas", rngs=nnx.Rngs(0))
+  assert impl_module.kernel_body(kernel, x, platform="tpu") == "Mosaic TPU"

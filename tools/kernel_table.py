@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxops import packing
+from models.impl import BODY_CALLS
 from pallas_kernels import flash_ffn, frac_scan, pack3d_attention
 from tests import kernel_checks
 
@@ -29,7 +30,6 @@ TARGETS = [("TPU", "tpu", None),
            ("Blackwell GPU (B200)", "cuda", kernel_checks.BLACKWELL_DEVICE_KIND),
            ("other CUDA GPU (A100)", "cuda", kernel_checks.CUDA_DEVICE_KIND)]
 DTYPES = (jnp.bfloat16, jnp.float32)
-BODIES = {"mosaic": "Mosaic TPU", "mosaic_gpu": "Mosaic GPU", "triton": "Triton"}
 
 
 def _flash_ffn(dtype):
@@ -65,8 +65,7 @@ def body(op_inputs, dtype, platform: str, device_kind: str | None) -> str:
   fn, args = op_inputs(dtype)
   text = (kernel_checks.export_mlir(fn, platform, *args, device_kind=device_kind)
           if device_kind else kernel_checks.export_mlir(fn, platform, *args))
-  found = [b for b, call in kernel_checks.BACKEND_CALL.items() if call in text]
-  return BODIES[found[0]] if len(found) == 1 else "/".join(found) or "XLA"
+  return " + ".join(name for name, call in BODY_CALLS.items() if call in text) or "XLA"
 
 
 def table() -> str:

@@ -644,6 +644,9 @@ MUTANTS = [
     m("decay_mask_ignores_linen_marks", "train/optim.py",
       'getattr(x, "metadata", {}).get("weight_decay", True)', "True",
       "tests/test_readme.py::test_readme_section_runs"),
+    m("impl_backend_not_passed_to_the_kernel", "models/impl.py",
+      '    options["backend"] = backend', "    pass",
+      "tests/test_api.py::test_backend_reaches_the_kernel_and_makes_auto_the_kernel"),
     # make perf-tpu's reading of its rows
     m("perf_parts_not_summed", "benchmarks/aot/perf.py",
       "row[field] = sum(r[field] for r in results)", "row[field] = results[-1][field]",
