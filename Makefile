@@ -19,13 +19,14 @@ setup:
 setup-lowest:
 	@PYTHON=$(PYTHON_LOWEST) tools/venv.sh .venv-lowest 3.11 $(LOWEST_CONSTRAINTS) dev
 
-# Two workers, whole files each (a file's tests share their compiled functions and fixtures).
+# Two workers, whole files each (a file's tests share their compiled functions and fixtures);
+# the 15 slowest tests are named at the end (the suite's budget: 10 min on 2 cores).
 test: setup
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 # The same suite at the low end of the ranges in pyproject.toml.
 test-lowest: setup-lowest
-	JAX_PLATFORMS=cpu .venv-lowest/bin/python -m pytest -q -n 2 --dist loadfile
+	JAX_PLATFORMS=cpu .venv-lowest/bin/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-slow: setup
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -m slow
