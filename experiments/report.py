@@ -270,6 +270,23 @@ def _at_chosen_lr(runs: dict, best: dict) -> tuple[dict, str]:
   return chosen, "Learning rate of each arm's rows below: " + ", ".join(notes) + "."
 
 
+def _at_one_rate(runs: dict, lrs, base: str) -> str:
+  """Each arm minus `base` at every swept rate, both at that rate, same seed: whether the
+  best-rate comparison also holds with one rate for everyone."""
+  rows = []
+  for lr in lrs:
+    at: dict = {}
+    for r in runs.values():
+      if r.get("lr") == lr:
+        at.setdefault(r["arm"], {})[r["seed"]] = r["acc_objects_train_layout"]
+    for a, by_seed in at.items():
+      if base in at and a != base and len(set(by_seed) & set(at[base])) > 1:
+        rows.append([f"{lr:g}", f"`{a}`"] + _paired(by_seed, at[base], 3))
+  return (f"Object accuracy (training layout) minus `{base}`'s with both at one rate, same "
+          "seed; 95% t interval over the seeds\n\n"
+          + _table(["lr", "arm", "per seed", "mean [95% interval]"], rows)) if rows else ""
+
+
 def repacking(d) -> str:
   order = ["learned_packed", "rope_packed", "axial_rope", "none", "local_only", "dense",
            "far_offset", "levels2", "levels2_gain8"]
@@ -279,7 +296,7 @@ def repacking(d) -> str:
     table, best, _ = _sweep_table(list(runs.values()), lrs, "acc_objects_train_layout",
                                   lower_is_better=False, digits=3)
     runs, note = _at_chosen_lr(runs, best)
-    out += [table, note]
+    out += [table, note] + [t for t in [_at_one_rate(d["runs"], lrs, "local_only")] if t]
   arms = _by_arm(runs, order)
   layouts = ["raster_zyx", "raster_xyz", "morton", "hilbert", "cube_major", "shuffled_fields"]
   for name in ("train_shapes", "unseen_shapes"):

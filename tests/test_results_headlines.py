@@ -3,6 +3,7 @@ that no longer matches its json fails here."""
 
 import json
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = (ROOT / "RESULTS.md").read_text()
@@ -26,5 +27,35 @@ def test_memory_clock_ranges_over_every_seed():
   kept = [max(head[-1] for head in layer["kernel_over_k0"])
           for r in frac for layer in r["memory_clock"]["trained"]]
   slowest = [max(layer["timescale"]) for r in one_mode for layer in r["memory_clock"]["trained"]]
-  for text in (f"{min(kept):.2f}-{max(kept):.2f}", f"{min(slowest):.0f}-{max(slowest):.0f}"):
-    assert text in RESULTS, f"RESULTS.md should say {text} (results/frac_extrapolate.json)"
+  text = " ".join(RESULTS.split())
+  for claim, want in ((r"power[- ]law (?:kernel )?keeps (\d\.\d+-\d\.\d+)",
+                       f"{min(kept):.2f}-{max(kept):.2f}"),
+                      (r"slowest timescale after training is (\d+-\d+)",
+                       f"{min(slowest):.0f}-{max(slowest):.0f}")):
+    said = re.findall(claim, text)
+    assert said and set(said) == {want}, f"RESULTS.md says {said}, the json {want}"
+
+
+INTERVAL = r"([+-]?\d+\.\d+),? (?:95% interval )?\[([+-]?\d+\.\d+), ([+-]?\d+\.\d+)\]"
+
+
+def test_every_headline_interval_is_printed_by_the_report():
+  """Each "mean [low, high]" of RESULTS.md's headlines is one the report code computes from
+  results/*.json (`python -m experiments.report`), at the precision the headline shows."""
+  import contextlib
+  import io
+
+  from experiments import report
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    report.main(["report", f"--results_dir={ROOT / 'results'}"])
+  computed = [tuple(map(float, m)) for m in re.findall(INTERVAL, " ".join(printed.getvalue().split()))]
+  text = " ".join(RESULTS.split())
+  start = text.index("**Headlines**")
+  headlines = text[start:text.index(" ## ", start)]
+  found = list(re.finditer(INTERVAL, headlines))
+  assert len(found) >= 10
+  for m in found:
+    digits = [len(x.split(".")[1]) for x in m.groups()]
+    assert any(all(round(c[i], digits[i]) == float(m.group(i + 1)) for i in range(3))
+               for c in computed), f"RESULTS.md headline {m.group(0)!r} is not in the report"

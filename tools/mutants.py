@@ -647,6 +647,13 @@ MUTANTS = [
     m("impl_backend_not_passed_to_the_kernel", "models/impl.py",
       '    options["backend"] = backend', "    pass",
       "tests/test_api.py::test_backend_reaches_the_kernel_and_makes_auto_the_kernel"),
+    # RESULTS.md's headlines against the report code and the json
+    m("results_headline_interval_stale", "RESULTS.md",
+      "(+0.42 [+0.02, +0.81], 3 seeds)", "(+0.43 [+0.02, +0.81], 3 seeds)",
+      "tests/test_results_headlines.py::test_every_headline_interval_is_printed_by_the_report"),
+    m("results_memory_clock_three_seeds", "RESULTS.md",
+      "FRAC's power law keeps 0.22-0.44 (6 seeds)", "FRAC's power law keeps 0.27-0.44 (6 seeds)",
+      "tests/test_results_headlines.py::test_memory_clock_ranges_over_every_seed"),
     # make perf-tpu's reading of its rows
     m("perf_parts_not_summed", "benchmarks/aot/perf.py",
       "row[field] = sum(r[field] for r in results)", "row[field] = results[-1][field]",
