@@ -19,7 +19,7 @@ from flax import nnx
 from configs import lm_smoke
 from models import LanguageModel, Pack3DSegmenter, UNet3D
 from models.partitioning import logical_axes
-from train import lm_task, sharding, trainer
+from train import lm_task, optim, sharding, trainer
 from train.metrics import read_metrics
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
@@ -204,3 +204,24 @@ def test_heads_the_tensor_axis_does_not_divide_run_replicated_on_a_sequence_spli
   assert seen[-1] == (1, 8, 3, 16)               # B / (data fsdp), L / tensor, all 3 heads
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))))
+
+
+def test_optimizer_state_is_sharded_like_the_parameters():
+  """AdamW's mu and nu live where their parameters do (each device a quarter on 2x2x2), not
+  replicated on every device (what jit(tx.init) did)."""
+  c = lm_config(**MESH)
+  model = lm_task.make_model(c)
+  mesh = sharding.make_mesh(c.mesh)
+  tx = optim.make_optimizer(c.optim, c.steps)
+  with jax.set_mesh(mesh):
+    _, _, state = trainer._init_state(lm_task.build_task(c, model), tx, mesh)
+  params = {jax.tree_util.keystr(k): x for k, x in jax.tree_util.tree_leaves_with_path(
+      state["params"])}
+  moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim >= 1]
+  assert len(moments) >= 2 * len(params)
+  by_shape = {(x.shape, x.sharding.spec) for x in params.values()}
+  for x in moments:
+    if x.ndim >= 2:
+      assert (x.shape, x.sharding.spec) in by_shape, (x.shape, x.sharding.spec)
+  held = sum(x.addressable_shards[0].data.nbytes for x in moments)
+  assert held < 0.3 * sum(x.nbytes for x in moments)

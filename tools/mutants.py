@@ -654,6 +654,10 @@ MUTANTS = [
     m("results_memory_clock_three_seeds", "RESULTS.md",
       "FRAC's power law keeps 0.22-0.44 (6 seeds)", "FRAC's power law keeps 0.27-0.44 (6 seeds)",
       "tests/test_results_headlines.py::test_memory_clock_ranges_over_every_seed"),
+    m("optimizer_state_replicated", "train/trainer.py",
+      "init = jax.jit(tx.init, out_shardings=sharding.optimizer_shardings(tx, params, mesh))",
+      "init = jax.jit(tx.init)",
+      "tests/test_param_sharding.py::test_optimizer_state_is_sharded_like_the_parameters"),
     # make perf-tpu's reading of its rows
     m("perf_parts_not_summed", "benchmarks/aot/perf.py",
       "row[field] = sum(r[field] for r in results)", "row[field] = results[-1][field]",

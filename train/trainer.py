@@ -219,8 +219,8 @@ def _init_state(task: Task, tx, mesh):
   params = jax.device_put(params, sharding.state_shardings(params, mesh),
                           may_alias=False)
   rest = jax.device_put(rest, NamedSharding(mesh, P()), may_alias=False)
-  state = {"step": jnp.zeros((), jnp.int32), "params": params,
-           "opt_state": jax.jit(tx.init)(params)}
+  init = jax.jit(tx.init, out_shardings=sharding.optimizer_shardings(tx, params, mesh))
+  state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": init(params)}
   return graphdef, rest, state
 
 

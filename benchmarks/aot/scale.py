@@ -1,0 +1,148 @@
+"""A language model's whole sharded train step compiled for a TPU slice, without the chips.
+
+The train step of `train.trainer.fit` (loss, gradients, AdamW with the decay mask, the
+parameters' sharding rules of `models.partitioning`, the batch over data x fsdp) for a
+`LanguageModel`, lowered for a deviceless TPU topology (`v5e:4x4`: 16 chips) and compiled
+by libtpu. Reports per chip what `memory_analysis()` says (arguments: parameters, optimizer
+state and batch; outputs; temporaries), whether it fits the chip's HBM with 10% headroom,
+and the collectives in the optimized HLO (kind: count). No step time: libtpu's static
+profile of a multi-chip program is not yet trusted (it gave one fusion's cycles for a
+whole sharded step, issue 33). Run in .venv-aot-tpu:
+
+  PYTHONPATH=. .venv-aot-tpu/bin/python -m benchmarks.aot.scale --d_model=768 --layers=12 \\
+      --ffn=flashffn --context=4096 --batch_per_chip=1 --mesh=1,16,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import time
+
+from benchmarks.aot.targets import TARGETS, environment
+
+HBM = {"v5e": 16 * 2**30, "v6e": 32 * 2**30}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+               "collective-permute")
+
+
+def collectives(hlo: str) -> dict:
+  """{kind: count} of the collective ops in an optimized HLO text (async starts counted once)."""
+  counts = collections.Counter()
+  for kind in COLLECTIVES:
+    counts[kind] = len(re.findall(rf"= [^=]*? {kind}(?:-start)?\(", hlo))
+  return {k: v for k, v in counts.items() if v}
+
+
+def per_chip_gib(tree) -> float:
+  """The bytes one chip holds of a tree of sharded ShapeDtypeStructs, in GiB."""
+  import jax
+  import numpy as np
+  return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree)) / 2**30
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--topology", default="v5e:4x4")
+  parser.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor (-1: the rest)")
+  parser.add_argument("--d_model", type=int, default=768)
+  parser.add_argument("--layers", type=int, default=12)
+  parser.add_argument("--heads", type=int, default=12)
+  parser.add_argument("--context", type=int, default=4096)
+  parser.add_argument("--vocab", type=int, default=32768)
+  parser.add_argument("--mixer", default="attention")
+  parser.add_argument("--ffn", default="swiglu")
+  parser.add_argument("--batch_per_chip", type=int, default=1)
+  parser.add_argument("--dtype", default="bfloat16")
+  args = parser.parse_args(argv)
+  for key, value in environment(TARGETS["tpu-v5e"]).items():
+    os.environ.setdefault(key, value)
+
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from flax import nnx
+  from jax.experimental import topologies
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from models import LanguageModel
+  from models.partitioning import BATCH_AXES, MESH_AXES
+  from pallas_kernels.dispatch import target_chip
+  from train import optim, sharding
+  from train.lm_task import lm_loss
+
+  topo = topologies.get_topology_desc(topology_name=args.topology, platform="tpu")
+  chips = len(topo.devices)
+  sizes = [int(s) for s in args.mesh.split(",")]
+  sizes = [chips // -int(np.prod(sizes)) if s == -1 else s for s in sizes]
+  mesh = Mesh(np.array(topo.devices).reshape(sizes), MESH_AXES)
+  chip = "tpu-" + args.topology.split(":")[0]
+  dtype = jnp.dtype(args.dtype)
+
+  def make_model():
+    return LanguageModel(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
+                         context=args.context, mixer=args.mixer, ffn=args.ffn,
+                         vocab_size=args.vocab, impl="pallas", interpret=False, dtype=dtype,
+                         rngs=nnx.Rngs(0))
+
+  # The abstract state is built outside the mesh context: logical axes are mapped to the
+  # mesh here, and optax traces tx.init eagerly, which a deviceless mesh cannot run.
+  with target_chip(chip):
+    abstract = nnx.eval_shape(make_model)
+  graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+  param_count = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+  as_spec = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  params = jax.tree.map(as_spec, params, sharding.state_shardings(params, mesh))
+  rest = jax.tree.map(lambda x: as_spec(x, NamedSharding(mesh, P())), rest)
+  tx = optax.chain(optax.clip_by_global_norm(1.0),        # as train.optim builds it
+                   optax.adamw(1e-3, weight_decay=0.1, mask=optim.decay_mask))
+  opt_state = jax.tree.map(as_spec, jax.eval_shape(tx.init, params),
+                           sharding.optimizer_shardings(tx, params, mesh))
+  with target_chip(chip), jax.set_mesh(mesh):
+    batch = args.batch_per_chip * chips
+    batch_sh = NamedSharding(mesh, P(BATCH_AXES))
+    tokens = jax.ShapeDtypeStruct((batch, args.context), jnp.int32, sharding=batch_sh)
+    batch_spec = {"inputs": tokens, "targets": tokens}
+
+    def train_step(state, batch):
+      params, opt_state = state
+      model_of = lambda p: nnx.merge(graphdef, p, rest)
+      (loss, _), grads = jax.value_and_grad(lambda p: lm_loss(model_of(p), batch),
+                                            has_aux=True)(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), loss
+
+    start = time.perf_counter()
+    state = (params, opt_state)
+    for name, tree in (("parameters", params), ("optimizer state", opt_state),
+                       ("other model state", rest)):
+      print(f"  {name}: {per_chip_gib(tree):.3f} GiB per chip")
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    compiled = jax.jit(train_step, in_shardings=(state_sh, None), out_shardings=(state_sh, None),
+                       donate_argnums=0).lower(state, batch_spec).compile()
+  memory = compiled.memory_analysis()
+  gib = lambda b: b / 2**30
+  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+  limit = HBM[args.topology.split(":")[0]]
+  print(f"{args.topology} mesh {dict(zip(MESH_AXES, sizes))}: LanguageModel d={args.d_model} "
+        f"x{args.layers} {args.mixer}+{args.ffn}, {param_count / 1e6:.0f}M params, context "
+        f"{args.context}, batch {batch} ({args.batch_per_chip}/chip), {args.dtype}; compiled in "
+        f"{time.perf_counter() - start:.0f} s")
+  print(f"  per chip: arguments {gib(memory.argument_size_in_bytes):.2f} GiB, outputs "
+        f"{gib(memory.output_size_in_bytes):.2f} (aliased {gib(memory.alias_size_in_bytes):.2f})"
+        f", temporaries {gib(memory.temp_size_in_bytes):.2f}; total {gib(total):.2f} of "
+        f"{gib(limit):.0f} GiB: {'fits' if total <= 0.9 * limit else 'does NOT fit'} with 10% "
+        f"headroom")
+  hlo = compiled.as_text()
+  print(f"  collectives: {collectives(hlo)}; Pallas kernel calls: "
+        f"{len(re.findall(r'custom_call_target="tpu_custom_call"', hlo))}")
+
+
+if __name__ == "__main__":
+  main()
