@@ -38,6 +38,12 @@ def make_mixer(kind: str, d_model: int, num_heads: int, *, context: int, impl: s
                    dtype=dtype, mamba2=kind == "mamba2", rngs=rngs, **options)
 
 
+@nnx.remat
+def _remat_call(block, x):
+  """block(x), its activations recomputed in the backward (only x is kept)."""
+  return block(x)
+
+
 class LanguageModel(nnx.Module):
   """Decoder LM over `vocab_size` tokens (256: bytes).
 
@@ -61,6 +67,9 @@ class LanguageModel(nnx.Module):
       "d_expert": 64} for FlashFFN.
     impl: kernel choice for FlashFFN / FRAC ("auto", "pallas", "xla", "reference"; see
       `models.impl`); interpret: passed to their kernels.
+    remat: recompute each block's activations in the backward (`nnx.remat`), keeping only
+      its input: memory per block from all its activations down to one [B, L, d], for about
+      one more forward of the blocks.
     dtype: compute dtype (None: float32); parameters stay float32.
 
   Token ids must lie in [0, vocab_size): checked when concrete; under jit a
@@ -70,14 +79,14 @@ class LanguageModel(nnx.Module):
   def __init__(self, *, d_model: int, num_layers: int, num_heads: int, context: int,
                mixer: str = "attention", ffn: str = "swiglu", mixer_options: dict | None = None,
                ffn_options: dict | None = None, impl: Impl = "auto", interpret=None,
-               vocab_size: int = 256, dtype=None, rngs: nnx.Rngs):
+               vocab_size: int = 256, remat: bool = False, dtype=None, rngs: nnx.Rngs):
     checks.one_of("LanguageModel", "mixer", mixer, MIXERS)
     checks.one_of("LanguageModel", "ffn", ffn, FFNS)
     impl = resolve_impl("LanguageModel", impl)
     checks.ints("LanguageModel", dict(d_model=d_model, num_layers=num_layers,
                                       num_heads=num_heads, context=context,
                                       vocab_size=vocab_size))
-    self.mixer_kind, self.context, self.dtype = mixer, context, dtype
+    self.mixer_kind, self.context, self.dtype, self.remat = mixer, context, dtype, remat
     self.embed = param(jax.random.normal(rngs.params(), (vocab_size, d_model)), "vocab", "embed")
     block_params = 4 * d_model**2 + 3 * d_model * swiglu_width(d_model)
 
@@ -116,7 +125,7 @@ class LanguageModel(nnx.Module):
     table = constrain(self.embed[...], (None, None))
     x = constrain(table[tokens].astype(self.dtype or jnp.float32), ("batch", "seq", None))
     for block in self.blocks:
-      x = block(x)
+      x = _remat_call(block, x) if self.remat else block(x)
     return constrain(self._logits(x), ("batch", "seq", "act_vocab"))
 
   def init_cache(self, batch: int):

@@ -146,3 +146,32 @@ def test_language_model_formula_and_init():
       rngs=rngs()))
   mixer = frac.blocks[0].mixer
   assert (mixer.context, mixer.num_heads, mixer.num_modes) == (4096, 2, 16)
+
+
+def test_remat_recomputes_blocks_with_the_same_gradients():
+  """remat=True: the same loss gradients (to float32 rounding)."""
+  def setup(remat):
+    model = LanguageModel(d_model=32, num_layers=2, num_heads=2, context=16, mixer="frac",
+                          ffn="flashffn", mixer_options={"head_dim": 16, "state_dim": 8},
+                          ffn_options={"num_heads": 2, "num_experts": 2, "d_expert": 16},
+                          impl="xla", remat=remat, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jnp.arange(32).reshape(2, 16) % 256
+    return (lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)), state
+  loss, state = setup(False)
+  loss_remat, state_remat = setup(True)
+  for a, b in zip(jax.tree.leaves(jax.grad(loss)(state)),
+                  jax.tree.leaves(jax.grad(loss_remat)(state_remat))):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(a))))
+
+
+def test_remat_keeps_less_for_the_backward():
+  """What remat is for: the compiled gradient's temporaries (CPU compile, 4 attention +
+  SwiGLU blocks at 256 tokens: 16.4 MB without, 4.5 MB with)."""
+  def temp(remat):
+    model = LanguageModel(d_model=32, num_layers=4, num_heads=2, context=256, impl="xla",
+                          remat=remat, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(jnp.zeros((2, 256), jnp.int32)) ** 2)
+    return jax.jit(jax.grad(loss)).lower(state).compile().memory_analysis().temp_size_in_bytes
+  assert temp(True) < 0.5 * temp(False)

@@ -658,6 +658,9 @@ MUTANTS = [
       "init = jax.jit(tx.init, out_shardings=sharding.optimizer_shardings(tx, params, mesh))",
       "init = jax.jit(tx.init)",
       "tests/test_param_sharding.py::test_optimizer_state_is_sharded_like_the_parameters"),
+    m("lm_remat_ignored", "models/lm.py",
+      "x = _remat_call(block, x) if self.remat else block(x)", "x = block(x)",
+      "tests/test_lm.py::test_remat_keeps_less_for_the_backward"),
     # make perf-tpu's reading of its rows
     m("perf_parts_not_summed", "benchmarks/aot/perf.py",
       "row[field] = sum(r[field] for r in results)", "row[field] = results[-1][field]",

@@ -57,6 +57,7 @@ def main(argv=None):
   parser.add_argument("--ffn", default="swiglu")
   parser.add_argument("--batch_per_chip", type=int, default=1)
   parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--remat", action="store_true", help="LanguageModel(remat=True)")
   args = parser.parse_args(argv)
   for key, value in environment(TARGETS["tpu-v5e"]).items():
     os.environ.setdefault(key, value)
@@ -88,7 +89,7 @@ def main(argv=None):
     return LanguageModel(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
                          context=args.context, mixer=args.mixer, ffn=args.ffn,
                          vocab_size=args.vocab, impl="pallas", interpret=False, dtype=dtype,
-                         rngs=nnx.Rngs(0))
+                         remat=args.remat, rngs=nnx.Rngs(0))
 
   # The abstract state is built outside the mesh context: logical axes are mapped to the
   # mesh here, and optax traces tx.init eagerly, which a deviceless mesh cannot run.
@@ -132,7 +133,8 @@ def main(argv=None):
   limit = HBM[args.topology.split(":")[0]]
   print(f"{args.topology} mesh {dict(zip(MESH_AXES, sizes))}: LanguageModel d={args.d_model} "
         f"x{args.layers} {args.mixer}+{args.ffn}, {param_count / 1e6:.0f}M params, context "
-        f"{args.context}, batch {batch} ({args.batch_per_chip}/chip), {args.dtype}; compiled in "
+        f"{args.context}, batch {batch} ({args.batch_per_chip}/chip), {args.dtype}"
+        f"{', remat per block' if args.remat else ''}; compiled in "
         f"{time.perf_counter() - start:.0f} s")
   print(f"  per chip: arguments {gib(memory.argument_size_in_bytes):.2f} GiB, outputs "
         f"{gib(memory.output_size_in_bytes):.2f} (aliased {gib(memory.alias_size_in_bytes):.2f})"
