@@ -27,6 +27,7 @@ def get_config():
   c.model = ml_collections.ConfigDict({
       "vocab_size": 256, "d_model": 32, "num_layers": 2, "num_heads": 2, "context": 32,
       "mixer": "attention", "ffn": "swiglu",
-      "mixer_options": {}, "ffn_options": {"d_ff": 64}, "impl": "auto"})
+      "mixer_options": {}, "ffn_options": {"d_ff": 64}, "impl": "auto",
+      "remat": False})    # True: blocks recomputed in the backward (long contexts)
   c.sample = ml_collections.ConfigDict({"prompt": "def ", "num_tokens": 16, "temperature": 0.0})
   return c
