@@ -232,6 +232,25 @@ def test_reference_cube_means_are_segment_sums_not_matmuls():
   assert "scatter-add" in jaxpr and "dot_general" not in jaxpr
 
 
+def test_xla_path_cube_summaries_are_sums_not_matmuls():
+  """The XLA path's cube means reduce each cube's slots with a sum, no dot_general (the form
+  that cannot differ between chips' GEMM libraries), and match numpy's per-cube means."""
+  coords = packing.grid_coords((3, 5, 4))[None]
+  fields = np.zeros(coords.shape[:2], np.int32)
+  layout = cube_layout(coords, fields, block_shape=(2, 2, 2))
+  k = jax.random.normal(jax.random.key(5), (1, coords.shape[1], 2, 6))
+  to_cubes = lambda x: layout.to_cubes(x)
+  jaxpr = str(jax.make_jaxpr(lambda kc: ops.cube_summaries(layout, kc, kc))(to_cubes(k)))
+  assert "dot_general" not in jaxpr
+  kbar, _ = ops.cube_summaries(layout, to_cubes(k), to_cubes(k))
+  cube = np.asarray(coords[0]) // 2
+  want = [np.asarray(k[0])[(cube == c).all(-1)].mean(0).ravel() for c in {tuple(c) for c in cube}]
+  got = [np.asarray(kbar[0, i]).ravel() for i in range(int(layout.num_cubes))
+         if float(layout.count[0, i]) > 0]
+  by_first = lambda rows: np.stack(sorted(rows, key=lambda r: r[0]))   # a cube's order: any
+  np.testing.assert_allclose(by_first(got), by_first(want), rtol=1e-5, atol=1e-6)
+
+
 def test_cube_of_identical_keys_counts_like_its_tokens():
   """With keys and values constant inside every cube, the log(n_b) bias makes Pack3D equal
   full attention within each field (far cubes stand exactly for their tokens)."""

@@ -634,6 +634,10 @@ MUTANTS = [
       "jnp.repeat(v, width // v.shape[-1], axis=-1)",
       "jnp.tile(v, width // v.shape[-1])",
       f"{FFN}::test_group_expansion_forms_agree"),
+    m("pack3d_xla_cube_means_by_gemm", "jaxops/pack3d.py",
+      "  kbar = jnp.sum(k32, axis=2) * inv_n",
+      "  kbar = jnp.einsum('bcthd,t->bchd', k32, jnp.ones(k32.shape[2], k32.dtype)) * inv_n",
+      "tests/test_pack3d.py::test_xla_path_cube_summaries_are_sums_not_matmuls"),
     # the training binaries' command line
     m("cli_rejected_config_keeps_its_workdir", "train/cli.py",
       "            _remove_if_empty(workdir())", "            pass",
