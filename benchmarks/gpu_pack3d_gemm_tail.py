@@ -120,12 +120,13 @@ def bisect() -> None:
     layout = cube_layout(coords, field_ids)
     return list(ops.cube_summaries(layout, layout.to_cubes(k), layout.to_cubes(v)))
 
-  def segment_means(k, v, coords, field_ids):  # the reference's now (per_token_cube_mean)
+  def segment_means(k, v, coords, field_ids):  # the reference's now (per_token_cube_sum)
     cube = coords // 4
     same = (field_ids[:, :, None] == field_ids[:, None, :]) & (
         jnp.max(jnp.abs(cube[:, :, None] - cube[:, None, :]), -1) == 0)
     ids = jnp.argmax(same, axis=-1)
-    return [ops.per_token_cube_mean(x, ids) for x in (k, v)]
+    n = ops.per_token_cube_sum(jnp.ones(ids.shape), ids)[..., None, None]
+    return [ops.per_token_cube_sum(x, ids) / n for x in (k, v)]
 
   pieces = {"reference kbar, vbar, count error (GEMM, as it was)": same_cube_mean,
             "reference kbar, vbar (segment sums)": segment_means,

@@ -131,21 +131,16 @@ def cube_summaries(layout: CubeLayout, k_cubes, v_cubes, coords=None, summary_ro
 
 # ----------------------------------------------------------------------------- reference
 
-def per_token_cube_mean(x, cube_id, *, sums: bool = False):
-  """x [B, N, ...] -> each token's cube mean of x (or sum, `sums`), [B, N, ...] float32;
-  cube_id [B, N] in [0, N) names each token's cube.
+def per_token_cube_sum(x, cube_id):
+  """x [B, N, ...] -> the sum of x over each token's cube, [B, N, ...] float32; cube_id
+  [B, N] in [0, N) names each token's cube.
 
   A segment sum (scatter-add), not a matmul with a [N, N] same-cube matrix: how a GPU's
   GEMM library splits a contraction is its autotuner's choice, one place where the
   reference can differ between chips (it did between CPU and an H200, cause not yet
   found: benchmarks/README.md, GPU check); an add per token has no such freedom.
   """
-  def one(x, ids):
-    total = jax.ops.segment_sum(x.astype(_F32), ids, num_segments=ids.shape[0])
-    if sums:
-      return total[ids]
-    count = jax.ops.segment_sum(jnp.ones(ids.shape, _F32), ids, num_segments=ids.shape[0])
-    return total[ids] / count[ids].reshape(count[ids].shape + (1,) * (x.ndim - 1))
+  one = lambda x, ids: jax.ops.segment_sum(x.astype(_F32), ids, num_segments=ids.shape[0])[ids]
   return jax.vmap(one)(x, cube_id)
 
 
@@ -169,15 +164,17 @@ def pack3d_attention_reference(q, k, v, coords, field_ids, *, block_shape=(4, 4,
   far = same_field & ~local
   # each token's cube as the index of the cube's first token: segment ids in [0, N)
   cube_id = jnp.argmax(same_field & (distance == 0), axis=-1)          # [B, N]
-  n = per_token_cube_mean(jnp.ones(cube_id.shape, _F32), cube_id, sums=True)  # n_c(j)
+  n = per_token_cube_sum(jnp.ones(cube_id.shape, _F32), cube_id)     # n_c(j), [B, N]
+  per_token_mean = lambda x: (per_token_cube_sum(x, cube_id)
+                              / n.reshape(n.shape + (1,) * (x.ndim - 2)))
   if summary_rope is None:
-    kbar = per_token_cube_mean(k32, cube_id)
+    kbar = per_token_mean(k32)
   else:
     pos = coords.astype(_F32)
-    kbar = per_token_cube_mean(axial_rope_3d_float(k32, -pos, **summary_rope), cube_id)
-    centre = per_token_cube_mean(pos, cube_id)
+    kbar = per_token_mean(axial_rope_3d_float(k32, -pos, **summary_rope))
+    centre = per_token_mean(pos)
     kbar = axial_rope_3d_float(kbar, centre, **summary_rope)
-  vbar = per_token_cube_mean(v32, cube_id)
+  vbar = per_token_mean(v32)
   scale = 1.0 / math.sqrt(q.shape[-1])
   log_weight = 0.0 if block_bias else -jnp.log(n)[:, None, None, :]  # log n_b - log n_b = 0
   s_loc = jnp.einsum("bihd,bjhd->bhij", q32, k32) * scale

@@ -222,13 +222,14 @@ def test_reference_cube_means_are_segment_sums_not_matmuls():
   rng = np.random.default_rng(3)
   ids = np.array([[0, 0, 2, 2, 2, 5, 0], [1, 1, 1, 1, 4, 4, 6]])
   x = rng.standard_normal((2, 7, 2, 3)).astype(np.float32)
-  got = np.asarray(ops.per_token_cube_mean(jnp.asarray(x), jnp.asarray(ids)))
+  counts = ops.per_token_cube_sum(jnp.ones(ids.shape), jnp.asarray(ids))
+  np.testing.assert_array_equal(counts, [[3, 3, 3, 3, 3, 1, 3], [4, 4, 4, 4, 2, 2, 1]])
+  got = np.asarray(ops.per_token_cube_sum(jnp.asarray(x), jnp.asarray(ids))
+                   / counts[:, :, None, None])
   want = np.stack([np.stack([x[b, ids[b] == ids[b, j]].mean(0) for j in range(7)])
                    for b in range(2)])
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-  counts = ops.per_token_cube_mean(jnp.ones(ids.shape), jnp.asarray(ids), sums=True)
-  np.testing.assert_array_equal(counts, [[3, 3, 3, 3, 3, 1, 3], [4, 4, 4, 4, 2, 2, 1]])
-  jaxpr = str(jax.make_jaxpr(ops.per_token_cube_mean)(x, ids))
+  jaxpr = str(jax.make_jaxpr(ops.per_token_cube_sum)(x, ids))
   assert "scatter-add" in jaxpr and "dot_general" not in jaxpr
 
 
