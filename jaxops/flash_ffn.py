@@ -107,7 +107,7 @@ def route_heads(q, router, *, normalize: bool = True):
   r_h = sigmoid(q_h W_r^h) / max(sum_e sigmoid(q_h W_r^h)_e, 1e-20), float32.
   q [..., H d_h] (heads side by side, the compute dtype), router [H, d_h, E] ->
   q_hat [..., H, d_h] in q.dtype, r [..., H, E] float32. A norm gain is the caller's to fold
-  into `router` and the tables.
+  into `router` and the tables (`fold_gain`).
 
   Layout-minded for TPU: q stays flat (the norm's statistics are small matmuls,
   `rms_normalize_groups`) and all heads' logits are one matmul with the block-diagonal
@@ -129,16 +129,42 @@ def route_heads(q, router, *, normalize: bool = True):
   return q.reshape(*lead, heads, d_h), r
 
 
-def mhffn_routed_reference(q, router, k, u, v, *, normalize: bool = True):
-  """Head norm, router and mixture written out in float32 einsums: q [B, L, H, d_h] (W_in's
-  output), router [H, d_h, E] -> o [B, L, H, d_h] in q.dtype."""
+def mhffn_routed_reference(q, router, k, u, v, *, gain=None, normalize: bool = True):
+  """Head norm (times its gain), router and mixture written out in float32 einsums: q [B, L,
+  H, d_h] (W_in's output), router [H, d_h, E], gain [H, d_h] or None -> o [B, L, H, d_h] in
+  q.dtype."""
   q32 = q.astype(_F32)
   if normalize:
     q32 = q32 / jnp.sqrt(jnp.mean(q32 * q32, axis=-1, keepdims=True) + NORM_EPS)
+  if gain is not None:
+    q32 = q32 * gain.astype(_F32)
   q_hat = q32.astype(q.dtype)
   sig = jax.nn.sigmoid(jnp.einsum("blhd,hde->blhe", q_hat.astype(_F32), router.astype(_F32)))
   r = sig / jnp.maximum(jnp.sum(sig, axis=-1, keepdims=True), 1e-20)
-  return mhffn_reference(q_hat, r, k, u, v)
+  return mhffn_reference(q_hat, r, *(t.astype(q.dtype) for t in (k, u, v)))
+
+
+def fold_gain(k, u, v, gain, dtype):
+  """The tables (K g, U g, V) in the compute `dtype` for a layer whose heads are q_hat * g.
+
+  (q_hat g) K^T = q_hat (K g)^T: the norm gain g [H, d_h] scales K's and U's d_h columns
+  (V's product is d_e-wide, untouched); the router's rows take g the same way (`mhffn_routed`).
+  gain=None: the tables only cast.
+  """
+  if gain is None:
+    return tuple(t.astype(dtype) for t in (k, u, v))
+  fold = lambda t: (t.astype(_F32) * gain.astype(_F32)[:, None, None, :]).astype(dtype)
+  return fold(k), fold(u), v.astype(dtype)
+
+
+def mhffn_routed(q, router, k, u, v, *, gain=None, normalize: bool = True, chunk: int = 512):
+  """Fast XLA path of the layer's op (`mhffn_routed_reference`'s math): `route_heads` then
+  `mhffn`, with the norm gain g [H, d_h] folded into the router's rows and the tables
+  (`fold_gain`). q [B, L, H, d_h] -> o [B, L, H, d_h] in q.dtype."""
+  if gain is not None:
+    router = router * gain[:, :, None].astype(router.dtype)
+  q_hat, r = route_heads(q.reshape(*q.shape[:2], -1), router, normalize=normalize)
+  return mhffn(q_hat, r, *fold_gain(k, u, v, gain, q.dtype), chunk=chunk)
 
 
 def mhffn(q, r, k, u, v, *, chunk: int = 512):

@@ -14,10 +14,12 @@ from jaxops import checks
 from jaxops import flash_ffn as ffn_ops
 from models import impl as impl_table
 from models.impl import Impl, resolve_impl
-from models.partitioning import param, scale
+from models.partitioning import is_split, param, scale
 
 
-# The paper's head width (FlashMHF configs: d_h = 128 at every size).
+# The paper's head width (FlashMHF configs: d_h = 128 at every size). On TPU v6e, whose MXUs
+# are 256 deep, heads of 256 (num_heads = d / 256) run the same FLOPs 1.9x faster in libtpu's
+# estimate (benchmarks/README.md, TPU speed); a model choice, so not the default.
 DEFAULT_HEAD_DIM = 128
 # The paper's sub-network width; a layer whose per-head budget E d_e is smaller splits it in two.
 PAPER_D_EXPERT = 256
@@ -164,26 +166,13 @@ class FlashFFN(nnx.Module):
     self.router = param(jax.nn.initializers.truncated_normal(0.02)(
         rngs.params(), (num_heads, d_h, num_experts), param_dtype), "heads", "head_dim", None)
     shape = (num_heads, num_experts, d_expert, d_h)
-    table_axes = ("heads", None, "expert_mlp", None)
+    # d_e over fsdp; where fsdp does not divide it, d_h instead (never the whole table on
+    # every device: the 370M FRAC model's d_e = 264 replicated 2 GiB of tables and Adam moments)
+    table_axes = ("heads", None, "expert_mlp", "head_dim")
     self.k = param(gate_up(rngs.params(), shape, param_dtype), *table_axes)
     self.u = param(gate_up(rngs.params(), shape, param_dtype), *table_axes)
     self.v = param(down(rngs.params(), shape, param_dtype), *table_axes)
     self.w_out = param(w_init(rngs.params(), (d_model, d_model), param_dtype), "heads", "embed")
-
-  def _folded(self, dtype):
-    """(router, k, u, v) with the head-norm gain g folded in.
-
-    (q_hat * g) K^T = q_hat (K * g)^T, so scaling the d_h columns of K, U and the rows
-    of W_r by g is the same as scaling q: the kernel then sees the normalized q_hat,
-    which the norm's backward keeps anyway (one saved [L, d] buffer instead of two).
-    """
-    router = self.router[...]
-    k, u, v = (t[...].astype(dtype) for t in (self.k, self.u, self.v))
-    if self.norm_gain is None:
-      return router, k, u, v
-    gain = self.norm_gain[...]
-    fold = lambda t: (t * gain[:, None, None, :].astype(dtype)).astype(dtype)
-    return router * gain[:, :, None], fold(k), fold(u), v
 
   def __call__(self, x):
     """x [..., d] -> [..., d] in the compute dtype, as SwiGLU: every token on its own.
@@ -196,8 +185,13 @@ class FlashFFN(nnx.Module):
     cfg = _Mixture(self.norm_gain is not None, self.impl, self.chunk, self.interpret,
                    self.backend)
     tokens = x.reshape((-1,) + x.shape[-2:] if x.ndim >= 3 else (1, -1, x.shape[-1]))
-    y = _ordered_layer(tokens.astype(dtype), self.w_in[...].astype(dtype),
-                       *self._folded(dtype), self.w_out[...].astype(dtype), cfg)
+    # The op folds the gain in and casts the tables (on TPU inside the kernels, in VMEM), so
+    # tables that reach it as stored leave no copy for the backward. Tables split over devices
+    # (fsdp) are gathered into a whole copy anyway: cast first, it moves half the bytes.
+    tables = [t[...].astype(dtype) if is_split(t) else t[...] for t in (self.k, self.u, self.v)]
+    gain = None if self.norm_gain is None else self.norm_gain[...]
+    y = _ordered_layer(tokens.astype(dtype), self.w_in[...].astype(dtype), self.router[...],
+                       *tables, gain, self.w_out[...].astype(dtype), cfg)
     return y.reshape(x.shape)
 
 
@@ -212,18 +206,18 @@ class _Mixture:
   interpret: object
   backend: str | None = None
 
-  def __call__(self, q, router, k, u, v):
+  def __call__(self, q, router, k, u, v, gain):
     """W_in's output q [B, L, d] -> the mixture's output [B, L, d]."""
     # d_h from the router: under shard_map the layer sees its local heads only.
     o = impl_table.call("flash_ffn_routed", self.impl,
-                        q.reshape(*q.shape[:-1], -1, router.shape[1]), router, k, u, v,
+                        q.reshape(*q.shape[:-1], -1, router.shape[1]), router, k, u, v, gain,
                         chunk=self.chunk, interpret=self.interpret, backend=self.backend,
                         normalize=self.normalize)
     return o.reshape(q.shape)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _ordered_layer(x, w_in, router, k, u, v, w_out, mixture: _Mixture):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _ordered_layer(x, w_in, router, k, u, v, gain, w_out, mixture: _Mixture):
   """y = mixture(x W_in) W_out with a backward that frees the mixture's output early.
 
   Kept for the backward: x, q = x W_in and the mixture's output o (and the weights); the op
@@ -233,24 +227,24 @@ def _ordered_layer(x, w_in, router, k, u, v, w_out, mixture: _Mixture):
   dq). Plain autodiff leaves that order to XLA, which at 32k float32 tokens kept o alive
   through the op's backward (benchmarks/README.md, FlashFFN memory).
   """
-  return _layer_fwd(x, w_in, router, k, u, v, w_out, mixture)[0]
+  return _layer_fwd(x, w_in, router, k, u, v, gain, w_out, mixture)[0]
 
 
-def _layer_fwd(x, w_in, router, k, u, v, w_out, mixture):
+def _layer_fwd(x, w_in, router, k, u, v, gain, w_out, mixture):
   q = x @ w_in
-  o = mixture(q, router, k, u, v)
-  return o @ w_out, (x, w_in, router, k, u, v, w_out, q, o)
+  o = mixture(q, router, k, u, v, gain)
+  return o @ w_out, (x, w_in, router, k, u, v, gain, w_out, q, o)
 
 
 def _layer_bwd(mixture, residuals, dy):
-  x, w_in, router, k, u, v, w_out, q, o = residuals
+  x, w_in, router, k, u, v, gain, w_out, q, o = residuals
   do, dw_out = jax.vjp(jnp.matmul, o, w_out)[1](dy)
   # The op's backward waits for dW_out (the barrier), so o is freed before it starts.
   q, do, dw_out = jax.lax.optimization_barrier((q, do, dw_out))
   # The op's forward traced here is unused (XLA removes it): only its backward runs.
-  dq, drouter, dk, du, dv = jax.vjp(mixture, q, router, k, u, v)[1](do)
+  dq, drouter, dk, du, dv, dgain = jax.vjp(mixture, q, router, k, u, v, gain)[1](do)
   dx, dw_in = jax.vjp(jnp.matmul, x, w_in)[1](dq)
-  return dx, dw_in, drouter, dk, du, dv, dw_out
+  return dx, dw_in, drouter, dk, du, dv, dgain, dw_out
 
 
 _ordered_layer.defvjp(_layer_fwd, _layer_bwd)

@@ -110,11 +110,6 @@ def _pack3d_reference(q, k, v, coords, field_ids, *, chunk, interpret, max_cubes
   return pack3d_ops.pack3d_attention_reference(q, k, v, coords, field_ids, **options)
 
 
-def _routed(q, w_r, normalize):
-  """(q_hat, r) of `ffn_ops.route_heads` for q [B, L, H, d_h]."""
-  return ffn_ops.route_heads(q.reshape(*q.shape[:2], -1), w_r, normalize=normalize)
-
-
 # op -> impl -> fn(*arrays, chunk=, interpret=, **options). chunk is the layer's (None: the
 # kernel's own tiles, or CHUNKS[op] on the XLA path).
 OPS = {
@@ -124,14 +119,15 @@ OPS = {
         "xla": lambda *a, chunk, interpret: ffn_ops.mhffn(*a, chunk=chunk),
         "reference": lambda *a, chunk, interpret: ffn_ops.mhffn_reference(*a),
     },
-    # FlashFFN's head norm, router and mixture from W_in's output (the layer's op).
+    # FlashFFN's head norm (with its gain), router and mixture from W_in's output (the
+    # layer's op): (q, w_r, k, u, v, gain or None), tables in any float dtype.
     "flash_ffn_routed": {
         "pallas": lambda *a, chunk, interpret, normalize, **o: ffn_kernel.mhffn_routed(
-            *a, normalize=normalize, interpret=interpret, **o),
-        "xla": lambda q, w_r, *t, chunk, interpret, normalize: ffn_ops.mhffn(
-            *_routed(q, w_r, normalize), *t, chunk=chunk),
-        "reference": lambda q, w_r, *t, chunk, interpret, normalize: ffn_ops.mhffn_reference(
-            *_routed(q, w_r, normalize), *t),
+            *a[:5], gain=a[5], normalize=normalize, interpret=interpret, **o),
+        "xla": lambda *a, chunk, interpret, normalize: ffn_ops.mhffn_routed(
+            *a[:5], gain=a[5], normalize=normalize, chunk=chunk),
+        "reference": lambda *a, chunk, interpret, normalize: ffn_ops.mhffn_routed_reference(
+            *a[:5], gain=a[5], normalize=normalize),
     },
     "frac_scan": {
         "pallas": lambda *a, chunk, interpret, **o: frac_kernel.frac_scan(

@@ -112,6 +112,13 @@ def _active_mesh():
   return mesh
 
 
+def is_split(variable: nnx.Variable) -> bool:
+  """Whether the context mesh splits `variable` over devices (by its logical axes and `RULES`):
+  such a parameter is gathered where it is used whole."""
+  mesh = _active_mesh()
+  return mesh is not None and any(spec_for(logical_axes(variable), variable.shape, mesh))
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """with_sharding_constraint by logical names under the context mesh; identity without one."""
   mesh = _active_mesh()

@@ -1,6 +1,10 @@
-"""`mhffn_routed`: FlashFFN's head norm, router and mixture from W_in's output, with the norm
-and router inside the Mosaic kernels (and in XLA around the GPU kernels), against the
-float32 einsum reference `jaxops.flash_ffn.mhffn_routed_reference`; what its backward keeps.
+"""`mhffn_routed`: FlashFFN's head norm (with its gain), router and mixture from W_in's output,
+with the norm, router and gain fold inside the Mosaic kernels (and in XLA around the GPU
+kernels), against the float32 einsum reference `jaxops.flash_ffn.mhffn_routed_reference`;
+what its backward keeps.
+
+With the head norm the tables come as the layer stores them (float32, whatever q's dtype) with
+a gain; without it, in q's dtype with no gain: both forms the op takes.
 """
 
 from __future__ import annotations
@@ -25,35 +29,47 @@ BODIES = {
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 
-def make_inputs(dtype, shape=SHAPE, seed=0):
+def make_inputs(dtype, shape=SHAPE, seed=0, gain=True):
+  """(q, w_r, k, u, v[, gain]): with a gain the tables are float32 (the layer's parameters),
+  without one in q's dtype."""
   b, l, h, d_h, e, d_e = shape
-  ks = jax.random.split(jax.random.key(seed), 5)
+  ks = jax.random.split(jax.random.key(seed), 6)
   q = 2.0 * jax.random.normal(ks[0], (b, l, h, d_h))     # not unit RMS: the norm matters
   w_r = jax.random.normal(ks[1], (h, d_h, e))
-  tables = [0.3 * jax.random.normal(k, (h, e, d_e, d_h)) for k in ks[2:]]
-  return (q.astype(dtype), w_r, *(t.astype(dtype) for t in tables))
+  tables = [0.3 * jax.random.normal(k, (h, e, d_e, d_h)) for k in ks[2:5]]
+  if not gain:
+    return (q.astype(dtype), w_r, *(t.astype(dtype) for t in tables))
+  return (q.astype(dtype), w_r, *tables, 1.0 + 0.5 * jax.random.normal(ks[5], (h, d_h)))
+
+
+def _with_gain(op):
+  return lambda q, w_r, k, u, v, *gain: op(q, w_r, k, u, v, gain=gain[0] if gain else None)
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(path: str, normalize: bool, blocks: tuple = ()):
-  """jit of the op's output and the gradients of all five inputs (sin loss)."""
+def compiled(path: str, normalize: bool, blocks: tuple = (), num_args: int = 6):
+  """jit of the op's output and the gradients of every input (sin loss)."""
   if path == "reference":
     op = functools.partial(ops.mhffn_routed_reference, normalize=normalize)
   else:
     op = functools.partial(kernel.mhffn_routed, normalize=normalize, interpret=True,
                            backend=path, **dict(blocks or BODIES[path].items()))
-  grad = jax.grad(functools.partial(kernel_checks.sin_loss, op), argnums=(0, 1, 2, 3, 4))
+  op = _with_gain(op)
+  grad = jax.grad(functools.partial(kernel_checks.sin_loss, op), argnums=tuple(range(num_args)))
   return jax.jit(lambda *a: (op(*a), grad(*a)))
 
 
 def check(path, dtype, normalize, shape=SHAPE, blocks=(), rtol=None):
-  args = make_inputs(dtype, shape)
-  out_ref, grads_ref = compiled("reference", normalize)(*(a.astype(jnp.float32) for a in args))
-  out, grads = compiled(path, normalize, blocks)(*args)
+  args = make_inputs(dtype, shape, gain=normalize)
+  out_ref, grads_ref = compiled("reference", normalize, (), len(args))(
+      *(a.astype(jnp.float32) for a in args))
+  out, grads = compiled(path, normalize, blocks, len(args))(*args)
   assert out.dtype == dtype and out.shape == args[0].shape
+  assert [g.dtype for g in grads] == [a.dtype for a in args]
   rtol = rtol or TOL[dtype]
   kernel_checks.assert_close(out, out_ref, rtol=rtol, name="o")
-  kernel_checks.assert_grads_close(grads, grads_ref, args, ("q", "w_r", "k", "u", "v"),
+  kernel_checks.assert_grads_close(grads, grads_ref, args,
+                                   ("q", "w_r", "k", "u", "v", "gain")[:len(args)],
                                    rtol=rtol * (4 if dtype == jnp.bfloat16 else 1))
 
 
@@ -61,7 +77,8 @@ def check(path, dtype, normalize, shape=SHAPE, blocks=(), rtol=None):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("path", ["mosaic", "triton"])
 def test_matches_reference_forward_and_gradients(path, dtype, normalize):
-  """Mosaic routes inside its kernels; Triton (like any GPU body) runs route_heads in XLA."""
+  """Mosaic routes and folds the gain inside its kernels; Triton (like any GPU body) runs
+  route_heads and `fold_gain` in XLA."""
   check(path, dtype, normalize)
 
 
@@ -85,18 +102,23 @@ def test_expert_groups_route_in_xla(monkeypatch):
 
 
 def test_backward_keeps_only_the_inputs():
-  """The residuals of the op's VJP are its five inputs: q_hat and the router weights are
-  recomputed, never kept from the forward (the layer's memory depends on it)."""
+  """Of the residuals of the op's VJP, the only token-sized one is q and the only table-sized
+  ones are the three tables as given: q_hat, the router weights and the folded, cast tables
+  are recomputed, never kept from the forward (the layer's memory depends on it). The rest
+  are [H, d_h, ...] router and gain arrays."""
   args = make_inputs(jnp.bfloat16)
-  op = functools.partial(kernel.mhffn_routed, interpret=True, backend="mosaic",
-                         **BODIES["mosaic"])
+  op = _with_gain(functools.partial(kernel.mhffn_routed, interpret=True, backend="mosaic",
+                                    **BODIES["mosaic"]))
   _, vjp = jax.vjp(op, *args)
   residuals = [x for x in jax.tree.leaves(vjp) if isinstance(x, jax.Array)]
-  assert sorted((r.shape, r.dtype) for r in residuals) == sorted(
-      (a.shape, a.dtype) for a in args)
+  q, w_r, k = args[:3]
+  big = sorted((x.shape, str(x.dtype)) for x in residuals if x.size > w_r.size)
+  assert big == sorted([(q.shape, "bfloat16")] + [(k.shape, "float32")] * 3)
 
 
-def test_bad_router_shape_names_the_argument():
-  q, w_r, k, u, v = make_inputs(jnp.float32)
+def test_bad_router_or_gain_shape_names_the_argument():
+  q, w_r, k, u, v, gain = make_inputs(jnp.float32)
   with pytest.raises(ValueError, match="w_r"):
     kernel.mhffn_routed(q, w_r[:, :-1], k, u, v)
+  with pytest.raises(ValueError, match=r"gain.*\[H=2, d_h=16\]"):
+    kernel.mhffn_routed(q, w_r, k, u, v, gain=gain[:, :-1])

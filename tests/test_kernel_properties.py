@@ -20,11 +20,12 @@ from jaxops import flash_ffn as flash_ops
 from jaxops import frac as frac_ops
 from jaxops import pack3d as pack3d_ops
 from jaxops import packing
-from pallas_kernels.flash_ffn import mhffn
+from pallas_kernels.flash_ffn import mhffn, mhffn_routed
 from pallas_kernels.frac_scan import frac_scan
 from pallas_kernels.pack3d_attention import pack3d_attention
 from tests import kernel_checks
 from tests import test_flash_ffn as flash_tests
+from tests import test_flash_ffn_routed as routed_tests
 from tests import test_frac_scan as frac_tests
 from tests import test_pack3d as pack3d_tests
 
@@ -57,6 +58,18 @@ def _flash_ffn_races():
   op = functools.partial(mhffn, interpret=kernel_checks.race_params(), block_q=128,
                          block_inter=8, block_q_dkv=128)
   return op, flash_ops.mhffn_reference, dict(zip("qrkuv", args)), 2  # fwd, the backward
+
+
+def _flash_ffn_routed_races():
+  """The routed kernels (the layer's): 3 heads of 3 token tiles; each head's first token tile
+  stages its tables in VMEM for the others, so the forward's token axis, parallel, would let
+  a core start a head past its first tile and read unstaged (NaN) tables."""
+  args = routed_tests.make_inputs(jnp.float32, shape=(1, 300, 3, 8, 3, 8))
+  op = functools.partial(mhffn_routed, interpret=kernel_checks.race_params(), block_q=128,
+                         block_inter=8, block_q_dkv=128)
+  with_gain = lambda op: lambda q, w_r, k, u, v, g: op(q, w_r, k, u, v, gain=g)
+  return (with_gain(op), with_gain(flash_ops.mhffn_routed_reference),
+          dict(zip(("q", "w_r", "k", "u", "v", "gain"), args)), 2)
 
 
 # ----------------------------------------------------------------------------- FRAC
@@ -122,7 +135,8 @@ OPS = {
         # forward; TPU: forward, the fused backward; GPU: forward, dq/dr, dK/dU/dV
         kernels=(1, {"tpu": 2, "cuda": 3}),
         lowerings=[pytest.param(lambda: (mhffn, flash_tests.paper_shape()))],
-        races=[pytest.param(_flash_ffn_races)]),
+        races=[pytest.param(_flash_ffn_races),
+               pytest.param(_flash_ffn_routed_races, id="routed")]),
     "frac_scan": KernelOp(
         inputs=frac_tests.make_inputs, compiled=frac_tests.compiled,
         names=("y", "state", *(f"d{n}" for n in frac_tests.ARGNAMES)),

@@ -8,7 +8,8 @@ dtype. Shapes are the paper's and the configs' (the ones a user runs):
              lm     configs/lm_default.py: B=8 L=128 H=4 d_h=32 E=2 d_e=64
              seg3d  configs/seg3d_cells.py: B=8 L=3072 H=4 d_h=24 E=2 d_e=64
   flash_ffn_routed  370m, lm  the layer's op (head norm and router inside the Mosaic
-             kernels, in XLA around the GPU kernels), at flash_ffn's shapes
+             kernels, in XLA around the GPU kernels), at flash_ffn's shapes, with
+             float32 tables and a norm gain as the layer passes them
   pack3d     65k    one 64x32x32 grid per entry, B=2 N=65536 H=2 D=48, traced coords
              262k   one 64^3 grid per entry, B=4 N=262144 H=2 D=48, traced coords (the
                     neighbour table, 1.7 MiB, must not have to fit TPU SMEM whole)
@@ -151,9 +152,12 @@ def build(case: Case, kind: str):
   elif case.op == "flash_ffn_routed":
     from pallas_kernels.flash_ffn import mhffn_routed
     table = (s["h"], s["e"], s["f"], s["d"])
+    # As the layer calls it: the float32 tables and the norm gain as stored.
     specs = [((s["b"], s["l"], s["h"], s["d"]), dtype), ((s["h"], s["d"], s["e"]), jnp.float32),
-             (table, dtype), (table, dtype), (table, dtype)]
-    op, num_diff = (lambda *a: mhffn_routed(*a, **blocks)), 5
+             (table, jnp.float32), (table, jnp.float32), (table, jnp.float32),
+             ((s["h"], s["d"]), jnp.float32)]
+    op, num_diff = (lambda q, w_r, k, u, v, g: mhffn_routed(q, w_r, k, u, v, gain=g,
+                                                            **blocks)), 6
   elif case.op == "pack3d":
     from pallas_kernels.pack3d_attention import pack3d_attention
     n = math.prod(s["grid"])

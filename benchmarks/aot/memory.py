@@ -89,7 +89,7 @@ def ratio(base: int, ours: int) -> str:
   """SwiGLU / FlashFFN, or why there is none: a side under 1 MiB means XLA placed its
   intermediates in argument and output buffers, and no quotient of that says anything."""
   small = [name for name, v in (("SwiGLU", base), ("FlashFFN", ours)) if v < 2**20]
-  return f"- ({' and '.join(small)} < 1 MiB)" if small else f"**{base / ours:.1f}x**"
+  return f"- ({' and '.join(small)} < 1 MiB)" if small else f"**{base / ours:.2f}x**"
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxops import checks
-from jaxops.flash_ffn import check_mhffn_inputs, route_heads
+from jaxops.flash_ffn import check_mhffn_inputs, fold_gain, route_heads
 from jaxops.tiling import round_up
 from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
 from pallas_kernels.flash_ffn import mosaic, mosaic_gpu, triton
@@ -94,71 +94,84 @@ def _flat(q):
   return q.reshape(*q.shape[:2], -1)
 
 
-def _routed_forward(backend: Backend, interpret, blocks: BlockSizes, q, w_r, k, u, v, *,
+def _gain_in(plan: TilePlan, gain):
+  """gain [H, d_h] -> float32 [H, 1, d_h] padded to the kernels' d_h."""
+  return jnp.pad(gain.astype(jnp.float32), ((0, 0), (0, plan.d_h - gain.shape[1])))[:, None]
+
+
+def _routed_forward(backend: Backend, interpret, blocks: BlockSizes, q, w_r, k, u, v, gain, *,
                     normalize):
   plan = TilePlan.make(backend, blocks, q, k)
   if not _routes_in_kernel(backend, plan):
     q_hat, r = route_heads(_flat(q), w_r, normalize=normalize)
-    return _forward(backend, interpret, blocks, q_hat, TilePlan.router_t(r), k, u, v)
+    return _forward(backend, interpret, blocks, q_hat, TilePlan.router_t(r),
+                    *fold_gain(k, u, v, gain, q.dtype))
   router = mosaic.Router(normalize, w_r.shape[2])
   o = mosaic.forward(plan, plan.tokens_in(q), _lanes(w_r, q.dtype),
-                     *(plan.table_in(t) for t in (k, u, v)), interpret, router=router)
+                     *(plan.table_in(t) for t in (k, u, v)), interpret, router=router,
+                     gain=_gain_in(plan, gain))
   return plan.tokens_out(o, q)
 
 
-def _routed_backward(backend: Backend, interpret, blocks: BlockSizes, q, w_r, k, u, v, ds, *,
-                     normalize):
+def _routed_backward(backend: Backend, interpret, blocks: BlockSizes, q, w_r, k, u, v, gain,
+                     ds, *, normalize):
   plan = TilePlan.make(backend, blocks, q, k)
   if not _routes_in_kernel(backend, plan):
     (q_hat, r), route_vjp = jax.vjp(functools.partial(route_heads, normalize=normalize),
                                     _flat(q), w_r)
-    dq_hat, dr, dk, du, dv = _backward(backend, interpret, blocks, q_hat,
-                                       TilePlan.router_t(r), k, u, v, ds)
+    tables, fold_vjp = jax.vjp(lambda *a: fold_gain(*a, q.dtype), k, u, v, gain)
+    dq_hat, dr, *dtables = _backward(backend, interpret, blocks, q_hat, TilePlan.router_t(r),
+                                     *tables, ds)
     dq, dw_r = route_vjp((dq_hat, dr))
-    return dq.reshape(q.shape), dw_r, dk, du, dv
+    return (dq.reshape(q.shape), dw_r, *fold_vjp(tuple(dtables)))
   router, w_lanes = mosaic.Router(normalize, w_r.shape[2]), _lanes(w_r, q.dtype)
-  dq, dw_r, dk, du, dv = mosaic.backward(
+  dq, dw_r, dk, du, dv, dgain = mosaic.backward(
       plan, plan.tokens_in(q), w_lanes, w_lanes, *(plan.table_in(t) for t in (k, u, v)),
-      plan.tokens_in(ds.astype(q.dtype)), interpret, router=router)
+      plan.tokens_in(ds.astype(q.dtype)), interpret, router=router, gain=_gain_in(plan, gain))
   return (plan.tokens_out(dq, q), dw_r[:, :, :w_r.shape[2]],
-          *(plan.table_out(t, k) for t in (dk, du, dv)))
+          *(plan.table_out(t, k) for t in (dk, du, dv)), dgain[:, 0, :gain.shape[1]])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _mhffn_routed(q, w_r, k, u, v, cfg: KernelConfig, normalize: bool):
-  return dispatch(functools.partial(_routed_forward, normalize=normalize), cfg, q, w_r, k, u, v)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _mhffn_routed(q, w_r, k, u, v, gain, cfg: KernelConfig, normalize: bool):
+  return dispatch(functools.partial(_routed_forward, normalize=normalize), cfg, q, w_r, k, u, v,
+                  gain)
 
 
-def _mhffn_routed_fwd(q, w_r, k, u, v, cfg, normalize):
+def _mhffn_routed_fwd(q, w_r, k, u, v, gain, cfg, normalize):
   # Only the inputs are kept: q_hat and the router weights are recomputed in the backward.
-  return _mhffn_routed(q, w_r, k, u, v, cfg, normalize), (q, w_r, k, u, v)
+  return _mhffn_routed(q, w_r, k, u, v, gain, cfg, normalize), (q, w_r, k, u, v, gain)
 
 
 def _mhffn_routed_bwd(cfg, normalize, residuals, ds):
-  q, w_r, k, u, v = residuals
-  dq, dw_r, dk, du, dv = dispatch(functools.partial(_routed_backward, normalize=normalize),
-                                  cfg, q, w_r, k, u, v, ds)
-  return dq.astype(q.dtype), dw_r.astype(w_r.dtype), dk, du, dv
+  grads = dispatch(functools.partial(_routed_backward, normalize=normalize), cfg, *residuals,
+                   ds)
+  return tuple(g.astype(x.dtype) for g, x in zip(grads, residuals))
 
 
 _mhffn_routed.defvjp(_mhffn_routed_fwd, _mhffn_routed_bwd)
 
 
-def mhffn_routed(q, w_r, k, u, v, *, normalize: bool = True, interpret=None,
+def mhffn_routed(q, w_r, k, u, v, *, gain=None, normalize: bool = True, interpret=None,
                  backend: Backend | None = None, **block_sizes):
-  """FlashFFN's head norm, router and mixture from W_in's output, differentiable in all five.
+  """FlashFFN's head norm (with its gain), router and mixture from W_in's output,
+  differentiable in every array.
 
-  o = mhffn(q_hat, r, k, u, v) with (q_hat, r) = `jaxops.flash_ffn.route_heads`(q, w_r): on
-  TPU (and interpreted on CPU) the norm and router run inside the Mosaic kernels, so neither
-  q_hat nor r is ever written to HBM, and the backward recomputes them from q; elsewhere (GPU,
-  or tables too large for one expert group) they run in XLA around `mhffn`'s kernels and are
-  recomputed in the backward too. Either way the backward keeps only the five inputs.
+  o = mhffn(q_hat g, r, k, u, v) with (q_hat, r) = `jaxops.flash_ffn.route_heads`(q, g W_r):
+  on TPU (and interpreted on CPU) the norm and router run inside the Mosaic kernels, so
+  neither q_hat nor r is ever written to HBM, and the backward recomputes them from q; the
+  kernels also read the tables as stored and fold g into them in VMEM, once per head, so no
+  cast or scaled copy of a table reaches HBM either. Elsewhere (GPU, or tables too large for
+  one expert group) the norm, router and fold run in XLA around `mhffn`'s kernels and are
+  recomputed in the backward too. Either way the backward keeps only the inputs.
 
   Args:
     q: [B, L, H, d_h] W_in's output (not normalized), float32 or bfloat16.
     w_r: [H, d_h, E] the router (any float dtype: its matmul runs in q's dtype with float32
-      accumulation; a norm gain is the caller's to fold in).
-    k, u, v: [H, E, d_e, d_h] tables, q's dtype.
+      accumulation).
+    k, u, v: [H, E, d_e, d_h] tables in any float dtype (normally the float32 parameters):
+      the matmuls take them in q's dtype, and their gradients come back in their own.
+    gain: [H, d_h] the norm's gain g, or None (no gain).
     normalize: the per-head RMSNorm of q (eps 1e-6), as the layer's `head_norm`.
     interpret, backend, **block_sizes: as `mhffn`.
 
@@ -167,14 +180,19 @@ def mhffn_routed(q, w_r, k, u, v, *, normalize: bool = True, interpret=None,
   """
   checks.floating("mhffn_routed", "q", q)
   checks.shape("mhffn_routed", "q", q, (None, None, None, None), "[B, L, H, d_h]")
-  checks.shape("mhffn_routed", "w_r", w_r, (q.shape[2], q.shape[3], None),
-               f"[H={q.shape[2]}, d_h={q.shape[3]}, E]")
-  checks.shape("mhffn_routed", "k", k, (q.shape[2], w_r.shape[2], None, q.shape[3]),
-               f"[H={q.shape[2]}, E={w_r.shape[2]}, d_e, d_h={q.shape[3]}]")
+  heads, d_h = q.shape[2:]
+  checks.shape("mhffn_routed", "w_r", w_r, (heads, d_h, None), f"[H={heads}, d_h={d_h}, E]")
+  checks.shape("mhffn_routed", "k", k, (heads, w_r.shape[2], None, d_h),
+               f"[H={heads}, E={w_r.shape[2]}, d_e, d_h={d_h}]")
   for name, t in (("u", u), ("v", v)):
     checks.shape("mhffn_routed", name, t, k.shape, f"the shape of k {tuple(k.shape)}")
+  if gain is None:
+    gain = jnp.ones((heads, d_h), jnp.float32)
+  else:
+    checks.shape("mhffn_routed", "gain", gain, (heads, d_h), f"[H={heads}, d_h={d_h}]")
+    w_r = w_r * gain[:, :, None].astype(w_r.dtype)
   cfg = _config("mhffn_routed", q, backend, interpret, block_sizes)
-  return _mhffn_routed(q, w_r, k, u, v, cfg, normalize)
+  return _mhffn_routed(q, w_r, k, u, v, gain, cfg, normalize)
 
 
 def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **block_sizes):

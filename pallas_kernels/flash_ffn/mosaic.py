@@ -23,6 +23,12 @@ operand Mosaic lowers itself.
 silu(m) = m sigmoid(m) with sigmoid(m) = (1 + tanh(m / 2)) / 2 (`tiles.tanh_sigmoid`):
 exact, and one transcendental per element where exp and a reciprocal are two.
 
+The routed kernels (`Router`, the layer's) read the tables as stored, float32, and copy each
+head's into VMEM once, in q's dtype with the norm gain folded in: no cast or scaled copy of a
+table goes through HBM, nor is kept for the backward (bf16, 16k tokens: the layer's fwd+bwd
+temporaries 82 -> 65 MiB on v5e). That copy needs its head's token tiles in order, so their
+grid axis is "arbitrary" there.
+
 When a head's tables exceed the VMEM budget (`tiles.mosaic_experts_per_step`), experts come
 in groups of a multiple of 8 (the router block's sublane rows): the forward reduces over the
 groups in an "arbitrary" grid axis, and the backward writes one float32 dq per group,
@@ -86,7 +92,12 @@ def _over_tiles(plan: TilePlan, body, carry):
 @dataclasses.dataclass(frozen=True)
 class Router:
   """The head norm and router computed inside the kernels (`mhffn_routed`): the router block
-  is the head's W_r [d_h, E padded to 128 lanes] in q's dtype instead of the weights r."""
+  is the head's W_r [d_h, E padded to 128 lanes] in q's dtype instead of the weights r.
+
+  The routed kernels also take the tables as stored (float32 parameters) with the norm gain
+  g [H, 1, d_h] float32, and stage each head's tables into VMEM once, in q's dtype with g
+  folded into K and U (`_stage_tables`); the backward returns the gradients of the stored
+  tables and g's share from them (`_table_grads`)."""
 
   normalize: bool
   experts: int
@@ -123,6 +134,36 @@ def _route_grads(dq_hat, dr, q_hat, w_r, state, router: Router):
   return rstd * (dq_hat - y * jnp.mean(dq_hat * y, axis=1, keepdims=True)), dz
 
 
+def _stage_tables(raw, gain_ref, staged):
+  """Copy one head's tables (k, u, v refs in their stored dtype) into the VMEM scratch
+  `staged` in q's dtype, with K and U scaled by the norm gain: q_hat g K^T = q_hat (K g)^T.
+
+  Once per head, at its first token tile: XLA would otherwise write the three folded and
+  cast tables to HBM before the kernels, and the layer would keep them for the backward."""
+  g = gain_ref[...].astype(_F32)
+  for src, dst, folded in zip(raw, staged, (True, True, False)):
+    for e in range(src.shape[0]):
+      t = src[e].astype(_F32)
+      dst[e] = (t * g if folded else t).astype(dst.dtype)
+
+
+def _table_grads(grads, raw, gain_ref, dgain_ref):
+  """Gradients of the folded tables (float32 [E, d_e, d_h] each, K's, U's, V's) -> those of
+  the stored tables (dK = dK_g g, dU = dU_g g) and of g (sum of dK_g K + dU_g U over experts
+  and rows), written to dgain_ref [1, d_h]; returns the three table gradients."""
+  g = gain_ref[...].astype(_F32)
+  dgain = jnp.zeros(g.shape, _F32)
+  out = []
+  for grad, src, folded in zip(grads, raw, (True, True, False)):
+    if folded:
+      dgain = dgain + sum(jnp.sum(grad[e] * src[e].astype(_F32), axis=0, keepdims=True)
+                          for e in range(len(grad)))
+      grad = [x * g for x in grad]
+    out.append(grad)
+  dgain_ref[...] = dgain
+  return out
+
+
 def _inputs(q_ref, r_ref, router: Router | None):
   """(q_hat, router columns [bq, >= E], state): the router block as it comes, or routed."""
   if router is None:
@@ -130,8 +171,17 @@ def _inputs(q_ref, r_ref, router: Router | None):
   return _route(q_ref[...], r_ref[...], router)
 
 
-def _fwd_kernel(q_ref, r_ref, k_ref, u_ref, v_ref, o_ref, acc_ref, *, plan: TilePlan,
-                router: Router | None):
+def _fwd_kernel(q_ref, r_ref, *refs, plan: TilePlan, router: Router | None):
+  """refs: (k, u, v, o, acc) or, routed, (gain, k, u, v, o, acc, staged k, u, v)."""
+  if router is None:
+    k_ref, u_ref, v_ref, o_ref, acc_ref = refs
+  else:
+    gain_ref, raw, (o_ref, acc_ref), (k_ref, u_ref, v_ref) = refs[0], refs[1:4], refs[4:6], refs[6:]
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      _stage_tables(raw, gain_ref, (k_ref, u_ref, v_ref))
+
   g = pl.program_id(2)
 
   @pl.when(g == 0)
@@ -153,13 +203,25 @@ def _fwd_kernel(q_ref, r_ref, k_ref, u_ref, v_ref, o_ref, acc_ref, *, plan: Tile
     o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def _bwd_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dq_ref, dr_ref, dk_ref, du_ref,
-                dv_ref, dk_acc, du_acc, dv_acc, *router_acc, plan: TilePlan,
-                router: Router | None):
-  """dr_ref is dr [rows, bq] (router weights given) or dW_r [d_h, lanes] (routed), which
-  accumulates across the token tiles in router_acc like dK, dU, dV."""
+def _bwd_kernel(q_ref, r_ref, ds_ref, *refs, plan: TilePlan, router: Router | None):
+  """refs: (k, u, v, dq, dr, dk, du, dv, dK acc, dU acc, dV acc) or, routed, (gain, k, u, v,
+  dq, dW_r, dk, du, dv, dgain, the three accs, dW_r acc, staged k, u, v). dr_ref is dr [rows,
+  bq] (router weights given) or dW_r [d_h, lanes] (routed), which accumulates across the token
+  tiles in its acc like dK, dU, dV."""
   i = pl.program_id(2)
-  accs, outs = (dk_acc, du_acc, dv_acc, *router_acc), (dk_ref, du_ref, dv_ref)
+  if router is None:
+    k_ref, u_ref, v_ref, dq_ref, dr_ref, dk_ref, du_ref, dv_ref, *accs = refs
+  else:
+    gain_ref, raw = refs[0], refs[1:4]
+    dq_ref, dr_ref, dk_ref, du_ref, dv_ref, dgain_ref = refs[4:10]
+    accs, (k_ref, u_ref, v_ref) = refs[10:14], refs[14:]
+
+    @pl.when(i == 0)
+    def _():
+      _stage_tables(raw, gain_ref, (k_ref, u_ref, v_ref))
+
+  dk_acc, du_acc, dv_acc, *router_acc = accs
+  outs = (dk_ref, du_ref, dv_ref)
 
   @pl.when(i == 0)
   def _():
@@ -205,12 +267,14 @@ def _bwd_kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dq_ref, dr_ref, dk_re
 
   @pl.when(i == pl.num_programs(2) - 1)
   def _():
-    for out, acc in zip(outs, accs):
-      for e in range(plan.experts_per_step):
-        grad = acc[e]
-        out[e] = (grad.T if transposed else grad).astype(out.dtype)
+    grads = [[acc[e].T if transposed else acc[e] for e in range(plan.experts_per_step)]
+             for acc in accs[:3]]
     if router is not None:
+      grads = _table_grads(grads, raw, gain_ref, dgain_ref)
       dr_ref[...] = router_acc[0][...]
+    for out, grad in zip(outs, grads):
+      for e, x in enumerate(grad):
+        out[e] = x.astype(out.dtype)
 
 
 def _params(plan: TilePlan, *semantics):
@@ -235,24 +299,42 @@ def _router_table_block(w_r):
   return pl.BlockSpec((None, *w_r.shape[1:]), lambda h, *_: (h, 0, 0))
 
 
-def forward(plan: TilePlan, q, r, k, u, v, interpret, router: Router | None = None):
-  """o in the kernel layout; with `router`, r is W_r [H, d_h, lanes] (see `Router`)."""
+def _gain_block(plan: TilePlan):
+  """The routed kernels' norm gain [H, 1, d_h]: one head's per step."""
+  return pl.BlockSpec((None, 1, plan.d_h), lambda h, *_: (h, 0, 0))
+
+
+def _staged(plan: TilePlan, dtype):
+  """VMEM for one head's tables in the compute dtype (`_stage_tables`)."""
+  return [pltpu.VMEM((plan.experts_per_step, plan.d_e, plan.d_h), dtype)] * 3
+
+
+def forward(plan: TilePlan, q, r, k, u, v, interpret, router: Router | None = None,
+            gain=None):
+  """o in the kernel layout; with `router`, r is W_r [H, d_h, lanes] and gain [H, 1, d_h]
+  (see `Router`)."""
   bq = plan.blocks.block_q
   tok = lambda h, i, g: (h, i)
-  r_spec = (_router_block(plan, bq, lambda h, i, g: (h, g, i)) if router is None
-            else _router_table_block(r))
+  table = _table_block(plan, lambda h, i, g: (h, g))
+  if router is None:
+    r_spec, gains, extra, scratch = (_router_block(plan, bq, lambda h, i, g: (h, g, i)), [], [],
+                                     [])
+  else:
+    r_spec, gains, extra = _router_table_block(r), [_gain_block(plan)], [gain]
+    scratch = _staged(plan, q.dtype)
   return pl.pallas_call(
       functools.partial(_fwd_kernel, plan=plan, router=router),
       grid=(plan.heads, plan.tokens // bq, plan.groups),
-      in_specs=[plan.token_spec(bq, tok), r_spec]
-      + [_table_block(plan, lambda h, i, g: (h, g))] * 3,
+      in_specs=[plan.token_spec(bq, tok), r_spec, *gains] + [table] * 3,
       out_specs=plan.token_spec(bq, tok),
       out_shape=plan.token_shape(q.dtype),
-      scratch_shapes=[pltpu.VMEM((bq, plan.d_h), _F32)],
-      compiler_params=_params(plan, "parallel", "parallel", "arbitrary"),
+      scratch_shapes=[pltpu.VMEM((bq, plan.d_h), _F32)] + scratch,
+      # Routed: a head's first token tile stages its tables for the others (sequential).
+      compiler_params=_params(plan, "parallel", "arbitrary" if router else "parallel",
+                              "arbitrary"),
       interpret=interpret,
       name="flash_ffn_fwd",
-  )(q, r, k, u, v)
+  )(q, r, *extra, k, u, v)
 
 
 def _group_token_spec(plan: TilePlan, rows: int):
@@ -262,17 +344,19 @@ def _group_token_spec(plan: TilePlan, rows: int):
   return pl.BlockSpec((None, None, rows, plan.d_h), lambda h, g, i: (g, h, i, 0))
 
 
-def backward(plan: TilePlan, q, r, r_dkuv, k, u, v, ds, interpret, router: Router | None = None):
+def backward(plan: TilePlan, q, r, r_dkuv, k, u, v, ds, interpret, router: Router | None = None,
+             gain=None):
   """(dq, dr, dk, du, dv) in the kernel layout; r_dkuv is r (one router layout on TPU). With
-  `router`, r is W_r and the second result dW_r [H, d_h, lanes] float32 (see `Router`)."""
+  `router`, r is W_r and gain [H, 1, d_h], and the result is (dq, dW_r [H, d_h, lanes]
+  float32, dk, du, dv in the tables' dtype, dgain [H, 1, d_h] float32) (see `Router`)."""
   del r_dkuv
   bk, groups = plan.blocks.block_q_dkv, plan.groups
   if router is not None and groups > 1:
     raise ValueError("mhffn: the routed kernels need a head's tables in one expert group")
   tok = lambda h, g, i: (h, i)
   table = _table_block(plan, lambda h, g, i: (h, g))
-  scratch = (plan.experts_per_step,) + ((plan.d_h, plan.d_e) if _transposed_grads(plan)
-                                        else (plan.d_e, plan.d_h))
+  acc = (plan.experts_per_step,) + ((plan.d_h, plan.d_e) if _transposed_grads(plan)
+                                    else (plan.d_e, plan.d_h))
   if groups == 1:
     dq_spec, dq_shape = plan.token_spec(bk, tok), plan.token_shape(q.dtype)
   else:
@@ -280,26 +364,29 @@ def backward(plan: TilePlan, q, r, r_dkuv, k, u, v, ds, interpret, router: Route
     dq_shape = jax.ShapeDtypeStruct((groups,) + plan.token_shape(q.dtype).shape, _F32)
   if router is None:
     r_spec = dr_spec = _router_block(plan, bk, lambda h, g, i: (h, g, i))
-    dr_shape, router_scratch = plan.router_shape(), []
+    dr_shape, gains, extra, outs, scratch = plan.router_shape(), [], [], [], []
   else:
     r_spec = dr_spec = _router_table_block(r)
-    dr_shape = jax.ShapeDtypeStruct(r.shape, _F32)
-    router_scratch = [pltpu.VMEM(r.shape[1:], _F32)]
-  dq, dr, dk, du, dv = pl.pallas_call(
+    dr_shape, gains, extra = jax.ShapeDtypeStruct(r.shape, _F32), [_gain_block(plan)], [gain]
+    outs = [(_gain_block(plan), jax.ShapeDtypeStruct(gain.shape, _F32))]
+    scratch = [pltpu.VMEM(r.shape[1:], _F32)] + _staged(plan, q.dtype)
+  results = pl.pallas_call(
       functools.partial(_bwd_kernel, plan=plan, router=router),
       grid=(plan.heads, groups, plan.tokens // bk),
-      in_specs=[plan.token_spec(bk, tok), r_spec, plan.token_spec(bk, tok), table, table,
-                table],
-      out_specs=[dq_spec, dr_spec] + [table] * 3,
-      out_shape=[dq_shape, dr_shape] + [plan.table_shape(k.dtype)] * 3,
-      scratch_shapes=[pltpu.VMEM(scratch, _F32)] * 3 + router_scratch,
+      in_specs=[plan.token_spec(bk, tok), r_spec, plan.token_spec(bk, tok), *gains, table,
+                table, table],
+      out_specs=[dq_spec, dr_spec] + [table] * 3 + [spec for spec, _ in outs],
+      out_shape=([dq_shape, dr_shape] + [plan.table_shape(k.dtype)] * 3
+                 + [shape for _, shape in outs]),
+      scratch_shapes=[pltpu.VMEM(acc, _F32)] * 3 + scratch,
       compiler_params=_params(plan, "parallel", "parallel", "arbitrary"),
       # dq overwrites ds: a token tile's step reads its ds block before its dq block is
       # written, and no other step reads it (one [L, d] buffer less in the layer's backward).
       input_output_aliases={2: 0} if groups == 1 else {},
       interpret=interpret,
       name="flash_ffn_bwd",
-  )(q, r, ds, k, u, v)
+  )(q, r, ds, *extra, k, u, v)
+  dq, *rest = results
   if groups > 1:
     dq = jnp.sum(dq, axis=0).astype(q.dtype)
-  return dq, dr, dk, du, dv
+  return (dq, *rest)

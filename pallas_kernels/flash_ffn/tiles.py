@@ -188,32 +188,35 @@ def _fit_tokens(backend: Backend, name: str, block: int, tokens: int) -> int:
 
 
 def mosaic_vmem_bytes(experts: int, d_e: int, d_h: int, itemsize: int, bq: int, bk: int,
-                      bi: int) -> int:
+                      bi: int, table_itemsize: int | None = None) -> int:
   """VMEM the larger Mosaic kernel (the backward) needs with `experts` experts per step.
 
-  Double-buffered blocks: the three tables and their gradients ([experts, d_e, d_h] each),
-  q, ds, dq and the router and dr blocks; float32 scratch: the gradient accumulators and
-  about ten [bk, bi] tiles of intermediates (scores, activation, their casts). The forward
-  holds the tables and fewer, [bq, bi] tiles.
+  Double-buffered blocks: the three tables and their gradients ([experts, d_e, d_h] each, in
+  the tables' dtype, `table_itemsize`, None: q's), q, ds, dq and the router and dr blocks;
+  the routed kernels' copy of the tables in q's dtype (`mosaic._stage_tables`, counted
+  always); float32 scratch: the gradient accumulators and about ten [bk, bi] tiles of
+  intermediates (scores, activation, their casts). The forward holds the tables, their copy
+  and fewer, [bq, bi] tiles.
   """
   tables = 3 * experts * d_e * d_h
+  stored = itemsize if table_itemsize is None else table_itemsize
   tokens = 3 * bk * d_h * itemsize + 2 * round_up(experts, 8) * bk * 4
-  backward = (4 * tables * itemsize + 4 * tables + 2 * tokens + 10 * bk * bi * 4
-              + 3 * bk * d_h * 4)
-  forward = 2 * tables * itemsize + 4 * bq * d_h * itemsize + 6 * bq * bi * 4
+  backward = (4 * tables * stored + tables * itemsize + 4 * tables + 2 * tokens
+              + 10 * bk * bi * 4 + 3 * bk * d_h * 4)
+  forward = tables * (2 * stored + itemsize) + 4 * bq * d_h * itemsize + 6 * bq * bi * 4
   return max(backward, forward)
 
 
 def mosaic_experts_per_step(experts: int, d_e: int, d_h: int, itemsize: int, bq: int, bk: int,
-                            bi: int) -> int:
+                            bi: int, table_itemsize: int | None = None) -> int:
   """E if a head's tables fit the chip's VMEM budget (`blocks.mosaic_vmem_limit`), else the
   largest multiple of 8 (a router block's sublane rows) that fits, at least 8."""
   budget = mosaic_vmem_limit()
-  if experts <= 8 or mosaic_vmem_bytes(experts, d_e, d_h, itemsize, bq, bk, bi) <= budget:
+  size = lambda group: mosaic_vmem_bytes(group, d_e, d_h, itemsize, bq, bk, bi, table_itemsize)
+  if experts <= 8 or size(experts) <= budget:
     return experts
   group = 8
-  while (group + 8 < experts
-         and mosaic_vmem_bytes(group + 8, d_e, d_h, itemsize, bq, bk, bi) <= budget):
+  while group + 8 < experts and size(group + 8) <= budget:
     group += 8
   return group
 
@@ -276,7 +279,8 @@ class TilePlan:
                          f"got {blocks.block_inter}")
       width, flat = padded_d_h(backend, d_h, q.dtype), d_h % 128 == 0 or heads == 1
       group = mosaic_experts_per_step(experts, round_up(d_e, bi), width,
-                                      jnp.dtype(q.dtype).itemsize, bq, bk, bi)
+                                      jnp.dtype(q.dtype).itemsize, bq, bk, bi,
+                                      jnp.dtype(k.dtype).itemsize)
       experts_pad = round_up(experts, group)
     if backend != "mosaic":
       group = experts
