@@ -4,6 +4,7 @@ lowering, races, bf16) are in tests/test_kernel_properties.py."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -137,3 +138,19 @@ def test_bad_inputs_name_the_argument(op, bad, match):
 def test_unknown_block_size_is_an_error():
   with pytest.raises(ValueError, match="block_q"):
     kernel.frac_scan(*make_inputs(shape=(1, 5, 2, 4, 3, 2)), block_q=8)
+
+
+@pytest.mark.parametrize("chip, chunk", [("tpu-v5e", 128), ("tpu-v6e", 256), (None, 32)])
+def test_default_chunk_per_chip(monkeypatch, chip, chunk):
+  """chunk=None: in a program traced for a TPU, that chip's TPU_CHUNK (the Mosaic kernels'
+  fastest in libtpu's estimate); traced for CPU, Triton's 32. Read from the chunk-start states
+  the backward keeps, [groups = B H, L / chunk, rows, columns]."""
+  from pallas_kernels.dispatch import target_chip
+  args = make_inputs(shape=(1, 512, 2, 4, 3, 2))
+  if chip is not None:
+    monkeypatch.setattr(kernel, "target_platform", lambda: "tpu")
+  fn = functools.partial(kernel.frac_scan, interpret=True)
+  with target_chip(chip) if chip else contextlib.nullcontext():
+    _, vjp = jax.vjp(fn, *args)
+  shapes = [x.shape for x in jax.tree.leaves(vjp) if isinstance(x, jax.Array)]
+  assert any(len(s) == 4 and s[:2] == (2, 512 // chunk) for s in shapes), shapes

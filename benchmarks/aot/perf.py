@@ -59,6 +59,7 @@ CHIPS = {"tpu-v5e": Chip(1.97e14 / (4 * 128 * 128 * 2), 4 * 128 * 128 * 2, 8.2e1
 TABLE = [
     ("flash_ffn/kernel", "flash_ffn/swiglu"), ("flash_ffn/kernels", "flash_ffn/swiglu"),
     ("flash_ffn/routed_kernels", "flash_ffn/swiglu"),
+    ("flash_ffn/wide_kernels", "flash_ffn/swiglu"),
     ("flash_ffn/xla", "flash_ffn/swiglu"),
     ("flash_ffn/swiglu", "flash_ffn/swiglu"),
     ("frac/kernel", "frac/xla"), ("frac/xla", "frac/xla"),
@@ -74,7 +75,10 @@ PARTS = {("flash_ffn/kernels", "fwd"): ("flash_ffn/fwd_kernel",),
          ("flash_ffn/kernels", "fwd+bwd"): ("flash_ffn/fwd_kernel", "flash_ffn/bwd_kernel"),
          ("flash_ffn/routed_kernels", "fwd"): ("flash_ffn/routed_fwd_kernel",),
          ("flash_ffn/routed_kernels", "fwd+bwd"): ("flash_ffn/routed_fwd_kernel",
-                                                   "flash_ffn/routed_bwd_kernel")}
+                                                   "flash_ffn/routed_bwd_kernel"),
+         ("flash_ffn/wide_kernels", "fwd"): ("flash_ffn/wide_fwd_kernel",),
+         ("flash_ffn/wide_kernels", "fwd+bwd"): ("flash_ffn/wide_fwd_kernel",
+                                                 "flash_ffn/wide_bwd_kernel")}
 
 
 def run_row(target, program, direction, dtype, timeout, max_rss_gb) -> dict:

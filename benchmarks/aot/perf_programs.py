@@ -79,7 +79,9 @@ def _flash_ffn_kernel_only(which: str, dtype, overrides: dict):
   import jax
   import jax.numpy as jnp
   from pallas_kernels.flash_ffn import BlockSizes, mosaic, tiles
-  s = FFN
+  # "wide_": half the heads at twice the width, the same FLOPs (d_h = 256 fills a v6e MXU's
+  # depth where 128 fills half of it).
+  s = dict(FFN, h=FFN["h"] // 2, d=2 * FFN["d"]) if which.startswith("wide_") else FFN
   blocks = dataclasses.replace(BlockSizes.for_backend("mosaic", dtype), **overrides)
   q = jax.ShapeDtypeStruct((s["b"], s["l"], s["h"], s["d"]), dtype)
   k = jax.ShapeDtypeStruct((s["h"], s["e"], s["f"], s["d"]), dtype)
@@ -89,16 +91,22 @@ def _flash_ffn_kernel_only(which: str, dtype, overrides: dict):
   router = ((s["h"], plan.experts_pad, plan.tokens), jnp.float32)
   flops = 2 * 3 * s["b"] * s["l"] * s["h"] * s["d"] * s["e"] * s["f"]
   routed = which.startswith("routed_")
-  if routed:  # W_r [H, d_h, E padded to 128 lanes] in place of the router weights
+  route, extra = None, {}
+  if routed:
+    # As the layer runs them: W_r [H, d_h, E padded to 128 lanes] in place of the router
+    # weights, the tables as stored (float32) and the norm gain [H, 1, d_h].
     router = ((s["h"], s["d"], -(-s["e"] // 128) * 128), dtype)
+    table = (table[0], jnp.float32)
     flops += 2 * s["b"] * s["l"] * s["h"] * s["d"] * s["e"]
-  route = mosaic.Router(True, s["e"]) if routed else None
-  inputs = [(tokens, dtype), router] + [table] * 3
+    route = mosaic.Router(True, s["e"])
+    extra = {"gain": ((s["h"], 1, plan.d_h), jnp.float32)}
+  inputs = [(tokens, dtype), router] + [table] * 3 + list(extra.values())
   if which.endswith("fwd_kernel"):
-    return (lambda *a: mosaic.forward(plan, *a, False, router=route)), inputs, flops
-  return (lambda q, r, k, u, v, ds: mosaic.backward(plan, q, r, r, k, u, v, ds, False,
-                                                    router=route)), \
-      inputs + [(tokens, dtype)], 2 * flops
+    return (lambda q, r, k, u, v, *g: mosaic.forward(plan, q, r, k, u, v, False, router=route,
+                                                     **dict(zip(extra, g)))), inputs, flops
+  return (lambda q, r, k, u, v, *g_ds: mosaic.backward(
+      plan, q, r, r, k, u, v, g_ds[-1], False, router=route,
+      **dict(zip(extra, g_ds[:-1])))), inputs + [(tokens, dtype)], 2 * flops
 
 
 def _swiglu(dtype):
@@ -115,9 +123,12 @@ def _frac(impl: str, dtype, overrides: dict):
   specs = [(tok + (s["p"],), dtype), (tok, jnp.float32), (tok + (s["n"],), dtype),
            (tok + (s["n"],), dtype), ((s["h"], s["m"]), jnp.float32),
            ((s["h"], s["m"]), jnp.float32)]
+  from pallas_kernels.dispatch import current_chip
+  from pallas_kernels.frac_scan.blocks import TPU_CHUNK
+  # Both paths at the kernel's default chunk on this chip (the same math, like for like).
+  chunk = overrides.pop("chunk", TPU_CHUNK.get(current_chip(), TPU_CHUNK[None]))
   # Per chunk of c tokens and mode: the intra-chunk [c, c] scores (C B^T, masked) and their
   # product with x, plus the state's read-out and update: ~ 2 L (c N + c P + 2 N P) per mode.
-  chunk = 64
   flops = 2 * s["b"] * s["l"] * s["h"] * s["m"] * (chunk * s["n"] + chunk * s["p"]
                                                   + 2 * s["n"] * s["p"])
   if impl == "kernel":
@@ -219,6 +230,10 @@ PROGRAMS = {
     "flash_ffn/fwd_kernel": ("flash_ffn", "the forward kernel alone (block sweep)"),
     "flash_ffn/bwd_kernel": ("flash_ffn", "the backward kernel alone (block sweep)"),
     "flash_ffn/routed_fwd_kernel": ("flash_ffn", "the routed forward kernel alone"),
+    "flash_ffn/wide_kernels": ("flash_ffn", "the Mosaic kernels alone at d_h = 256 (H = 4, "
+                               "the same FLOPs)"),
+    "flash_ffn/wide_fwd_kernel": ("flash_ffn", "the forward kernel alone at d_h = 256"),
+    "flash_ffn/wide_bwd_kernel": ("flash_ffn", "the backward kernel alone at d_h = 256"),
     "flash_ffn/routed_bwd_kernel": ("flash_ffn", "the routed backward kernel alone"),
     "frac/kernel": ("frac", "Pallas kernel (frac_scan)"),
     "frac/xla": ("frac", "XLA chunked path"),

@@ -29,9 +29,10 @@ import functools
 
 from jaxops.frac import check_scan_inputs, scan_vjp, zero_state
 from jaxops.frac_chunk import TilePlan
-from pallas_kernels.dispatch import Backend, KernelConfig, dispatch, gpu_backend
+from pallas_kernels.dispatch import (Backend, KernelConfig, current_chip, dispatch, gpu_backend,
+                                     target_platform)
 from pallas_kernels.frac_scan import mosaic, mosaic_gpu, triton
-from pallas_kernels.frac_scan.blocks import MODE_ALIGN, TUNED, BlockSizes
+from pallas_kernels.frac_scan.blocks import MODE_ALIGN, TPU_CHUNK, TUNED, BlockSizes
 
 __all__ = ["BlockSizes", "TUNED", "frac_scan"]
 
@@ -55,13 +56,16 @@ def _check_powers_of_two(block_sizes: dict) -> None:
 
 
 def _plan(x, b, rates, chunk, backend) -> TilePlan:
-  """The tile plan for `chunk`; None: Mosaic GPU's 64 where it will run the scan (forced, or
-  picked on Hopper for 16-bit inputs and a shape it serves), else Triton's 32."""
+  """The tile plan for `chunk`; None: the chip's `TPU_CHUNK` in a program traced for TPU,
+  Mosaic GPU's 64 where it will run the scan (forced, or picked on Hopper for 16-bit inputs
+  and a shape it serves), else Triton's 32."""
   make = lambda chunk: TilePlan.make(x, b, rates, chunk=chunk, mode_align=MODE_ALIGN, pow2=True)
   if chunk is not None:
     if not isinstance(chunk, int) or chunk <= 0:
       raise ValueError(f"frac_scan: `chunk` must be a positive int, got {chunk!r}")
     return make(chunk)
+  if backend in (None, "mosaic") and target_platform() == "tpu":
+    return make(TPU_CHUNK.get(current_chip(), TPU_CHUNK[None]))
   on_hopper = backend is None and gpu_backend(_BACKENDS, x.dtype) == "mosaic_gpu"
   if backend == "mosaic_gpu" or on_hopper:
     plan = make(mosaic_gpu.CHUNK)
@@ -80,9 +84,10 @@ def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int | N
       initial_state: [Bt, H, M, N, P] or None (zeros). Any L.
     chunk: tokens per chunk (rounded up to a power of two >= 16, at most the padded L).
       All lowerings share it (it shapes the saved chunk-start states, L / chunk of
-      [M, N, P] each). None: 64 where the GPU kernel is Mosaic GPU (WGMMA's M; its only
-      chunk, or one chunk holding the whole sequence), else 32 (which keeps a Triton
-      program's registers from spilling). With another chunk (or N > 32) `backend=None`
+      [M, N, P] each). None: in a program traced for TPU, the chip's `blocks.TPU_CHUNK`
+      (v5e 128, v6e 256: the fastest the scoped VMEM takes); 64 where the GPU kernel is
+      Mosaic GPU (WGMMA's M; its only chunk, or one chunk holding the whole sequence); else
+      32 (which keeps a Triton program's registers from spilling). With another chunk (or N > 32) `backend=None`
       runs Triton on Hopper too, and backend="mosaic_gpu" raises.
     interpret: None interprets on CPU and compiles on TPU and GPU; True (or the backend's
       interpreter params, `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`) interprets
