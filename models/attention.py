@@ -6,6 +6,11 @@ Shapes: x [B, L, d]; H heads of width D = d / H (D even).
   o       = softmax(q k^T / sqrt(D) + causal mask) v, float32 logits and softmax
   y       = o Wo                                   [B, L, d]
 Decoding keeps k, v for `context` positions: cache {"k", "v": [B, context, H, D], "pos": int32}.
+
+Memory: a long sequence is attended `query_chunk` queries at a time, each chunk under
+`jax.checkpoint`, so the float32 [B, H, chunk, L] scores of one chunk are live at once and the
+backward recomputes them: O(chunk L) instead of O(L^2) per layer, for the same FLOPs (the
+causal half is computed and masked, as in the dense form).
 """
 
 from __future__ import annotations
@@ -19,25 +24,52 @@ from jaxops.rope import rope_1d
 from models.partitioning import constrain, param
 
 
+def _softmax_attention(q, k, v, mask):
+  """softmax(q k^T / sqrt(D), masked) v with float32 scores: q [B, Lq, H, D], k, v [B, Lk, H,
+  D], mask [Lq, Lk] (True = keep) -> [B, Lq, H, D] in v's dtype."""
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+  logits = jnp.where(mask, logits * q.shape[-1] ** -0.5, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+# Float32 score elements per sequence that one query chunk may hold: 2^25 = 128 MiB.
+SCORE_ELEMENTS = 2**25
+
+
+def default_query_chunk(num_heads: int, length: int) -> int:
+  """Queries per chunk: the largest power of two with H x chunk x L <= SCORE_ELEMENTS, at
+  least 64 (L = 4096, H = 12: 512; L = 32768: 64)."""
+  chunk = 64
+  while num_heads * 2 * chunk * length <= SCORE_ELEMENTS:
+    chunk *= 2
+  return chunk
+
+
 class CausalAttention(nnx.Module):
   """Causal MHA with RoPE; `context` is the longest sequence `step` can decode.
 
   x [B, L, d] -> [B, L, d] (`__call__`); x_t [B, d] -> [B, d] with a KV cache (`step`).
-  No kernel (no `impl`): plain XLA attention, O(L^2).
+  No kernel (no `impl`): XLA attention, O(L^2) FLOPs, O(query_chunk L) memory.
 
   Args:
     d_model, num_heads: d and H (d % H == 0, d / H even).
     context: KV-cache length for decoding.
+    query_chunk: queries attended at once when L exceeds it (None: `default_query_chunk`,
+      the scores of a chunk about 128 MiB of float32 per sequence).
     dtype: compute dtype (None: the input's); parameters stay `param_dtype`.
   """
 
   def __init__(self, d_model: int, num_heads: int, *, context: int, rope_theta: float = 10000.0,
-               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    checks.ints("CausalAttention", dict(d_model=d_model, num_heads=num_heads, context=context))
+               query_chunk: int | None = None, dtype=None, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    checks.ints("CausalAttention", dict(d_model=d_model, num_heads=num_heads, context=context,
+                                        **checks.given(query_chunk=query_chunk)))
     checks.multiple("CausalAttention", "`d_model`", d_model, 2 * num_heads, "2 * `num_heads`"
                     " (an even head width)")
     d_h = d_model // num_heads
     self.num_heads, self.context, self.theta, self.dtype = num_heads, context, rope_theta, dtype
+    self.query_chunk = query_chunk
     init = jax.nn.initializers.normal(d_model ** -0.5)
     self.wq, self.wk, self.wv = (param(init(rngs.params(), (d_model, num_heads, d_h), param_dtype),
                                        "embed", "heads", None) for _ in range(3))
@@ -54,20 +86,33 @@ class CausalAttention(nnx.Module):
 
   def _attend(self, q, k, v, mask):
     """q [B, Lq, H, D], k, v [B, Lk, H, D], mask [Lq, Lk] (True = keep) -> [B, Lq, d]."""
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    logits = jnp.where(mask, logits * q.shape[-1] ** -0.5, -jnp.inf)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-    o = constrain(o, ("batch", "seq", "act_heads", None))
+    o = constrain(_softmax_attention(q, k, v, mask), ("batch", "seq", "act_heads", None))
     return jnp.einsum("bqhd,hdm->bqm", o, self.wo[...].astype(v.dtype))
 
   def __call__(self, x):
     """x [B, L, d] -> [B, L, d]."""
     checks.sequence("CausalAttention", "x", x, self.wo.shape[-1])
-    length = x.shape[1]
+    batch, length = x.shape[:2]
     q, k, v = self._qkv(x, jnp.arange(length))
     q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
-    return self._attend(q, k, v, jnp.tril(jnp.ones((length, length), bool)))
+    chunk = self.query_chunk or default_query_chunk(self.num_heads, length)
+    if length <= chunk:
+      return self._attend(q, k, v, jnp.tril(jnp.ones((length, length), bool)))
+    steps = -(-length // chunk)
+    # Padded queries (past L) see every key, so no row is all -inf; they are dropped.
+    q = jnp.pad(q, ((0, 0), (0, steps * chunk - length), (0, 0), (0, 0)))
+    q = jnp.moveaxis(q.reshape(batch, steps, chunk, *q.shape[2:]), 1, 0)
+    keys = jnp.arange(length)
+
+    @jax.checkpoint
+    def one_chunk(args):
+      q_c, start = args
+      return _softmax_attention(q_c, k, v, (start + jnp.arange(chunk))[:, None] >= keys)
+
+    o = jax.lax.map(one_chunk, (q, jnp.arange(steps) * chunk))
+    o = jnp.moveaxis(o, 0, 1).reshape(batch, steps * chunk, *o.shape[3:])[:, :length]
+    o = constrain(o, ("batch", "seq", "act_heads", None))
+    return jnp.einsum("bqhd,hdm->bqm", o, self.wo[...].astype(v.dtype))
 
   def init_cache(self, batch: int):
     """{"k", "v": [batch, context, H, D] zeros, "pos": 0}."""

@@ -104,9 +104,9 @@ class LanguageModel(nnx.Module):
     self.head = param(jax.random.normal(rngs.params(), (d_model, vocab_size)) * d_model ** -0.5,
                       "embed", "vocab")
 
-  def _logits(self, x):
-    x = self.norm(x)
-    return jnp.einsum("...d,dv->...v", x, self.head[...].astype(x.dtype),
+  def logits(self, features):
+    """Final features [..., d] (`features`) -> logits [..., V] float32."""
+    return jnp.einsum("...d,dv->...v", features, self.head[...].astype(features.dtype),
                       preferred_element_type=jnp.float32)
 
   def _check_tokens(self, owner: str, name: str, tokens, ndim: int, layout: str):
@@ -119,6 +119,12 @@ class LanguageModel(nnx.Module):
 
   def __call__(self, tokens):
     """tokens [B, L] int -> logits [B, L, V] float32."""
+    return constrain(self.logits(self.features(tokens)), ("batch", "seq", "act_vocab"))
+
+  def features(self, tokens):
+    """tokens [B, L] int -> the final normalized features [B, L, d] that `logits` (the
+    head, `self.head` [d, V]) reads: a loss over a large vocabulary takes them and computes
+    the logits a chunk at a time (`train.losses.chunked_cross_entropy`)."""
     self._check_tokens("LanguageModel", "tokens", tokens, 2, "[B, L]")
     # the table is gathered whole at use (as FSDP gathers every weight): a lookup into a table
     # split over vocab and d has no efficient SPMD lowering (XLA replicates it "involuntarily")
@@ -126,7 +132,7 @@ class LanguageModel(nnx.Module):
     x = constrain(table[tokens].astype(self.dtype or jnp.float32), ("batch", "seq", None))
     for block in self.blocks:
       x = _remat_call(block, x) if self.remat else block(x)
-    return constrain(self._logits(x), ("batch", "seq", "act_vocab"))
+    return self.norm(x)
 
   def init_cache(self, batch: int):
     """Per-block decoding caches (KV cache for attention, bounded state for FRAC)."""
@@ -140,7 +146,7 @@ class LanguageModel(nnx.Module):
     for block, c in zip(self.blocks, cache):
       x, c = block.step(x, c)
       new_cache.append(c)
-    return self._logits(x), new_cache
+    return self.logits(self.norm(x)), new_cache
 
   def generate(self, prompt, num_tokens: int, *, temperature: float = 0.0, seed: int = 0):
     """Continue `prompt` [B, P] int by `num_tokens` tokens, one at a time -> [B, P + num_tokens].

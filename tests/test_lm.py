@@ -122,6 +122,30 @@ def test_causal_attention_formula_and_init():
     stats_match(getattr(layer, name)[...], std=32 ** -0.5, name=name)
 
 
+def test_query_chunks_attend_as_the_dense_form():
+  """query_chunk=16 over L=40 (the last chunk padded): the formula, and the gradients of x
+  and every weight equal to the dense form's (one chunk); the default chunk's rule."""
+  from models.attention import default_query_chunk
+  chunked = build(CausalAttention, 32, 2, context=64, query_chunk=16)
+  x = normal(1, (2, 40, 32)).astype(np.float32)
+  close(run(chunked, x), causal_attention_numpy(chunked, x))
+  dense = build(CausalAttention, 32, 2, context=64, query_chunk=64)
+
+  def grads(layer):
+    graphdef, state = nnx.split(layer)
+    loss = lambda s, x: jnp.sum(jnp.sin(nnx.merge(graphdef, s)(x)))
+    return jax.tree.leaves(jax.grad(loss, argnums=(0, 1))(state, jnp.asarray(x)))
+  for g, g_dense in zip(grads(chunked), grads(dense), strict=True):
+    np.testing.assert_allclose(g, g_dense, rtol=1e-4,
+                               atol=1e-5 * float(jnp.max(jnp.abs(g_dense))))
+  # The backward recomputes one chunk's scores [B, H, 16, L]: never [B, H, L, L], nor the
+  # three chunks' scores stacked for it.
+  graphdef, state = nnx.split(chunked)
+  text = jax.jit(jax.grad(lambda s: jnp.sum(nnx.merge(graphdef, s)(x)))).lower(state).as_text()
+  assert "2x2x16x40xf32" in text and "2x2x40x40xf32" not in text and "x2x2x16x40xf32" not in text
+  assert [default_query_chunk(12, n) for n in (1024, 4096, 32768)] == [2048, 512, 64]
+
+
 def test_language_model_formula_and_init():
   """tokens -> embedding -> pre-norm blocks (attention, SwiGLU) -> RMSNorm -> head."""
   model = build(LanguageModel, d_model=16, num_layers=2, num_heads=2, context=32,
@@ -185,3 +209,36 @@ def test_remat_keeps_less_for_the_backward():
       ad_checkpoint.print_saved_residuals(loss, state)
     return [line for line in printed.getvalue().splitlines() if line.strip()]
   assert len(residuals(True)) < 0.4 * len(residuals(False))
+
+
+def test_lm_loss_chunks_a_large_vocabulary(monkeypatch):
+  """train.lm_task.lm_loss on a LanguageModel: the masked cross entropy of its logits, with
+  the logits of a large vocabulary computed a chunk at a time (128 positions here): the
+  jitted gradient never forms the [B, L, V] float32 logits."""
+  from train import lm_task, losses
+  monkeypatch.setattr(losses, "LOGIT_ELEMENTS", 128 * 512)
+  model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=300, vocab_size=512,
+                        impl="xla", rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(0), (2, 300), 0, 512)
+  batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, axis=1)}
+  loss, _ = lm_task.lm_loss(model, batch)
+  expected, _ = losses.masked_cross_entropy(model(tokens), batch["targets"])
+  np.testing.assert_allclose(loss, expected, rtol=1e-5)
+  graphdef, state = nnx.split(model)
+  grad = jax.jit(jax.grad(lambda s: lm_task.lm_loss(nnx.merge(graphdef, s), batch)[0]))
+  text = grad.lower(state).as_text()
+  assert "2x300x512xf32" not in text and "2x128x512xf32" in text
+
+
+@pytest.mark.parametrize("size, millions", [("125m", 135), ("370m", 369), ("1.3b", 1342)])
+def test_paper_configs_build_at_their_sizes(size, millions):
+  """configs/lm_paper.py: every mixer x FFN of a size holds its parameter count within 2%
+  (abstract models: nothing is allocated); the counts include the 32k-vocabulary embedding
+  and head."""
+  from configs import lm_paper
+  for mixer in ("attention", "frac"):
+    for ffn in ("swiglu", "flashffn"):
+      kwargs = dict(lm_paper.get_config(size).model.to_dict(), mixer=mixer, ffn=ffn)
+      model = nnx.eval_shape(lambda: LanguageModel(**kwargs, rngs=nnx.Rngs(0)))
+      count = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+      assert abs(count / 1e6 - millions) <= 0.02 * millions, (mixer, ffn, count)

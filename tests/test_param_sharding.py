@@ -225,3 +225,39 @@ def test_optimizer_state_is_sharded_like_the_parameters():
       assert (x.shape, x.sharding.spec) in by_shape, (x.shape, x.sharding.spec)
   held = sum(x.addressable_shards[0].data.nbytes for x in moments)
   assert held < 0.3 * sum(x.nbytes for x in moments)
+
+
+def test_flashffn_casts_its_tables_before_the_op_only_where_they_are_split(monkeypatch):
+  """FlashFFN hands its op the float32 tables as stored (the kernels cast them in VMEM: no
+  copy), except where the mesh splits them (fsdp): gathered whole there anyway, they are cast
+  to the compute dtype first, so the gather moves half the bytes."""
+  from models import FlashFFN
+  from models import flash_ffn as ffn_module
+  seen = []
+  original = ffn_module._ordered_layer
+
+  def spy(x, w_in, router, k, u, v, *rest):
+    seen.append({t.dtype for t in (k, u, v)})
+    return original(x, w_in, router, k, u, v, *rest)
+
+  monkeypatch.setattr(ffn_module, "_ordered_layer", spy)
+  layer = FlashFFN(32, 2, 2, 16, impl="xla", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  x = jnp.ones((8, 4, 32), jnp.bfloat16)
+  run = nnx.jit(lambda m, x: m(x))
+  run(layer, x)
+  with jax.set_mesh(sharding.make_mesh(MESH)):
+    run(layer, x)
+  assert seen == [{jnp.dtype(jnp.float32)}, {jnp.dtype(jnp.bfloat16)}]
+
+
+def test_flashffn_tables_split_over_fsdp_whatever_d_e():
+  """A table whose d_e the fsdp axis does not divide (24 over 16) is split along d_h instead,
+  never held whole on every device (the 370M FRAC + FlashFFN model's d_e = 264 over 16 chips
+  replicated its tables and their Adam moments: 2 GiB per chip, benchmarks/aot/scale.py)."""
+  from models import FlashFFN
+  from models.partitioning import spec_for
+  mesh = jax.sharding.AbstractMesh((1, 16, 1), ("data", "fsdp", "tensor"))
+  for d_expert, fsdp_dim in ((32, 2), (24, 3)):
+    layer = nnx.eval_shape(lambda: FlashFFN(32, 2, 2, d_expert, rngs=nnx.Rngs(0)))
+    spec = spec_for(logical_axes(layer.k), layer.k.shape, mesh)
+    assert spec[fsdp_dim] == "fsdp" and "fsdp" not in spec[:fsdp_dim], (d_expert, spec)

@@ -10,6 +10,7 @@ whole training trajectory can be recomputed here without the project's code.
 from __future__ import annotations
 
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ import pytest
 from flax import nnx
 
 from configs import lm_smoke
-from train import lm_task, optim, seg3d_task, trainer
+from train import lm_task, losses, optim, seg3d_task, trainer
 from train.metrics import read_metrics
 
 OPTIM = dict(lr=0.05, warmup_steps=2, min_lr_ratio=0.2, weight_decay=0.3, b1=0.8, b2=0.9,
@@ -332,13 +333,15 @@ def _log_softmax(z):
 
 
 def test_lm_loss_is_the_masked_mean_cross_entropy():
-  """lm_task.lm_loss: mean next-token cross entropy (nats), over the masked positions when
-  the batch has a mask, with the accuracy of the argmax there."""
+  """lm_task.lm_loss: mean next-token cross entropy (nats) of the logits features @ head,
+  over the masked positions when the batch has a mask, with the accuracy of the argmax there."""
   rng = np.random.default_rng(0)
-  logits = rng.normal(size=(2, 7, 11)) * 3
+  features, head = rng.normal(size=(2, 7, 5)), rng.normal(size=(5, 11))
+  logits = features @ head
   targets = rng.integers(0, 11, (2, 7))
   mask = (rng.random((2, 7)) < 0.4).astype(np.float32)
-  model = lambda inputs: jnp.asarray(logits, jnp.float32)
+  model = types.SimpleNamespace(features=lambda inputs: jnp.asarray(features, jnp.float32),
+                                head=jnp.asarray(head, jnp.float32))
   nll = -np.take_along_axis(_log_softmax(logits), targets[..., None], -1)[..., 0]
   loss, aux = lm_task.lm_loss(model, {"inputs": None, "targets": jnp.asarray(targets)})
   np.testing.assert_allclose(loss, nll.mean(), rtol=1e-5)
@@ -348,6 +351,29 @@ def test_lm_loss_is_the_masked_mean_cross_entropy():
   np.testing.assert_allclose(loss, (nll * mask).sum() / mask.sum(), rtol=1e-5)
   correct = (logits.argmax(-1) == targets) * mask
   np.testing.assert_allclose(aux["accuracy"], correct.sum() / mask.sum(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+def test_chunked_cross_entropy_is_the_whole_logits_loss(masked):
+  """losses.chunked_cross_entropy, 3 chunks of 4 over L = 10 (the last one padded): the loss,
+  the accuracy and the gradients of features and head equal masked_cross_entropy's on the
+  whole logits; its backward holds one chunk's logits, not all L positions'."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(2, 10, 6)), jnp.float32)
+  head = jnp.asarray(rng.normal(size=(6, 50)), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, 50, (2, 10)))
+  mask = jnp.asarray(rng.random((2, 10)) < 0.6, jnp.float32) if masked else None
+  whole = lambda x, h: losses.masked_cross_entropy(x @ h, labels, mask)
+  chunked = lambda x, h: losses.chunked_cross_entropy(x, h, labels, mask, chunk=4)
+  np.testing.assert_allclose(chunked(x, head), whole(x, head), rtol=1e-6)
+  grads = jax.grad(lambda *a: chunked(*a)[0], argnums=(0, 1))(x, head)
+  grads_ref = jax.grad(lambda *a: whole(*a)[0], argnums=(0, 1))(x, head)
+  for g, g_ref in zip(grads, grads_ref):
+    np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-7)
+  # The backward's logits are one chunk's [B, 4, V], recomputed: neither [B, L, V] nor the
+  # chunks' logits stacked [3, B, 4, V] for the backward.
+  text = jax.jit(jax.grad(lambda *a: chunked(*a)[0])).lower(x, head).as_text()
+  assert "2x10x50xf32" not in text and "3x2x4x50xf32" not in text and "2x4x50xf32" in text
 
 
 def test_segmentation_loss_and_macro_dice():

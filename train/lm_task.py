@@ -27,7 +27,7 @@ from models.unet3d import param_count
 from train import sharding, trainer
 from train.data import synthetic, text
 from train.errors import UsageError
-from train.losses import masked_cross_entropy
+from train.losses import chunked_cross_entropy
 
 
 def make_model(config) -> LanguageModel:
@@ -48,9 +48,14 @@ def make_model(config) -> LanguageModel:
 
 
 def lm_loss(model, batch):
-  """-> (mean cross entropy of targets over the masked positions, {"accuracy"} if masked)."""
+  """-> (mean cross entropy of targets over the masked positions, {"accuracy"} if masked).
+
+  The logits are computed a chunk of positions at a time from the model's final features
+  (`train.losses.chunked_cross_entropy`): a large vocabulary's [B, L, V] float32 logits and
+  their gradient are never held whole."""
   mask = batch.get("mask")
-  loss, accuracy = masked_cross_entropy(model(batch["inputs"]), batch["targets"], mask)
+  loss, accuracy = chunked_cross_entropy(model.features(batch["inputs"]), model.head[...],
+                                         batch["targets"], mask)
   return loss, ({} if mask is None else {"accuracy": accuracy})
 
 

@@ -3,22 +3,27 @@
 The train step of `train.trainer.fit` (loss, gradients, AdamW with the decay mask, the
 parameters' sharding rules of `models.partitioning`, the batch over data x fsdp) for a
 `LanguageModel`, lowered for a deviceless TPU topology (`v5e:4x4`: 16 chips) and compiled
-by libtpu. Reports per chip what `memory_analysis()` says (arguments: parameters, optimizer
-state and batch; outputs; temporaries), whether it fits the chip's HBM with 10% headroom,
-and the collectives in the optimized HLO (kind: count). No step time: libtpu's static
-profile of a multi-chip program is not yet trusted (it gave one fusion's cycles for a
-whole sharded step, issue 33). Run in .venv-aot-tpu:
+by libtpu. The model is a config's (`configs/lm_paper.py:<size>` by default), with its mixer,
+FFN, context and remat overridable. Reports per chip what `memory_analysis()` says
+(arguments: parameters, optimizer state and batch; outputs; temporaries), whether it fits the
+chip's HBM with 10% headroom, and the collectives in the optimized HLO (kind: count). No step
+time: libtpu's static profile of a multi-chip program is not yet trusted (it gave one
+fusion's cycles for a whole sharded step, issue 33). Run in .venv-aot-tpu:
 
-  PYTHONPATH=. .venv-aot-tpu/bin/python -m benchmarks.aot.scale --d_model=768 --layers=12 \\
-      --ffn=flashffn --context=4096 --batch_per_chip=1 --mesh=1,16,1
+  PYTHONPATH=. .venv-aot-tpu/bin/python -m benchmarks.aot.scale \\
+      --config=configs/lm_paper.py:370m --mixer=frac --ffn=flashffn --context=32768
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import os
+import pathlib
 import re
+import shutil
+import tempfile
 import time
 
 from benchmarks.aot.targets import TARGETS, environment
@@ -48,19 +53,24 @@ def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--topology", default="v5e:4x4")
   parser.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor (-1: the rest)")
-  parser.add_argument("--d_model", type=int, default=768)
-  parser.add_argument("--layers", type=int, default=12)
-  parser.add_argument("--heads", type=int, default=12)
-  parser.add_argument("--context", type=int, default=4096)
-  parser.add_argument("--vocab", type=int, default=32768)
-  parser.add_argument("--mixer", default="attention")
-  parser.add_argument("--ffn", default="swiglu")
+  parser.add_argument("--config", default="configs/lm_paper.py:125m",
+                      help="a config file and its argument; its `model` is compiled")
+  parser.add_argument("--context", type=int, help="(default: the config's)")
+  parser.add_argument("--mixer", help="(default: the config's)")
+  parser.add_argument("--ffn", help="(default: the config's)")
+  parser.add_argument("--remat", type=lambda v: v.lower() in ("1", "true", "yes"),
+                      help="true / false: LanguageModel(remat=...) (default: the config's)")
   parser.add_argument("--batch_per_chip", type=int, default=1)
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--remat", action="store_true", help="LanguageModel(remat=True)")
+  parser.add_argument("--largest", type=int, default=0,
+                      help="also list the N largest slices of the temporaries (their shapes)")
   args = parser.parse_args(argv)
   for key, value in environment(TARGETS["tpu-v5e"]).items():
     os.environ.setdefault(key, value)
+  config = load_config(args.config)
+  model_kwargs = config.model.to_dict()
+  model_kwargs.update({k: v for k, v in dict(context=args.context, mixer=args.mixer,
+                                             ffn=args.ffn, remat=args.remat).items()
+                       if v is not None})
 
   import jax
   import jax.numpy as jnp
@@ -83,13 +93,11 @@ def main(argv=None):
   sizes = [chips // -int(np.prod(sizes)) if s == -1 else s for s in sizes]
   mesh = Mesh(np.array(topo.devices).reshape(sizes), MESH_AXES)
   chip = "tpu-" + args.topology.split(":")[0]
-  dtype = jnp.dtype(args.dtype)
+  dtype = jnp.dtype(config.compute_dtype)
 
   def make_model():
-    return LanguageModel(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
-                         context=args.context, mixer=args.mixer, ffn=args.ffn,
-                         vocab_size=args.vocab, impl="pallas", interpret=False, dtype=dtype,
-                         remat=args.remat, rngs=nnx.Rngs(0))
+    return LanguageModel(**dict(model_kwargs, impl="pallas"), interpret=False, dtype=dtype,
+                         rngs=nnx.Rngs(0))
 
   # The abstract state is built outside the mesh context: logical axes are mapped to the
   # mesh here, and optax traces tx.init eagerly, which a deviceless mesh cannot run.
@@ -107,7 +115,7 @@ def main(argv=None):
   with target_chip(chip), jax.set_mesh(mesh):
     batch = args.batch_per_chip * chips
     batch_sh = NamedSharding(mesh, P(BATCH_AXES))
-    tokens = jax.ShapeDtypeStruct((batch, args.context), jnp.int32, sharding=batch_sh)
+    tokens = jax.ShapeDtypeStruct((batch, model_kwargs["context"]), jnp.int32, sharding=batch_sh)
     batch_spec = {"inputs": tokens, "targets": tokens}
 
     def train_step(state, batch):
@@ -124,17 +132,21 @@ def main(argv=None):
                        ("other model state", rest)):
       print(f"  {name}: {per_chip_gib(tree):.3f} GiB per chip")
     state_sh = jax.tree.map(lambda x: x.sharding, state)
+    dump = tempfile.mkdtemp(prefix="scale-") if args.largest else None
     compiled = jax.jit(train_step, in_shardings=(state_sh, None), out_shardings=(state_sh, None),
-                       donate_argnums=0).lower(state, batch_spec).compile()
+                       donate_argnums=0).lower(state, batch_spec).compile(
+                           {"xla_dump_to": dump} if dump else None)
   memory = compiled.memory_analysis()
   gib = lambda b: b / 2**30
   total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
            + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   limit = HBM[args.topology.split(":")[0]]
-  print(f"{args.topology} mesh {dict(zip(MESH_AXES, sizes))}: LanguageModel d={args.d_model} "
-        f"x{args.layers} {args.mixer}+{args.ffn}, {param_count / 1e6:.0f}M params, context "
-        f"{args.context}, batch {batch} ({args.batch_per_chip}/chip), {args.dtype}"
-        f"{', remat per block' if args.remat else ''}; compiled in "
+  m = model_kwargs
+  print(f"{args.topology} mesh {dict(zip(MESH_AXES, sizes))}: {args.config} LanguageModel "
+        f"d={m['d_model']} x{m['num_layers']} {m['mixer']}+{m['ffn']}, "
+        f"{param_count / 1e6:.0f}M params, vocabulary {m['vocab_size']}, context {m['context']}, "
+        f"batch {batch} ({args.batch_per_chip}/chip), {config.compute_dtype}"
+        f"{', remat per block' if m['remat'] else ''}; compiled in "
         f"{time.perf_counter() - start:.0f} s")
   print(f"  per chip: arguments {gib(memory.argument_size_in_bytes):.2f} GiB, outputs "
         f"{gib(memory.output_size_in_bytes):.2f} (aliased {gib(memory.alias_size_in_bytes):.2f})"
@@ -144,6 +156,36 @@ def main(argv=None):
   hlo = compiled.as_text()
   print(f"  collectives: {collectives(hlo)}; Pallas kernel calls: "
         f"{len(re.findall(r'custom_call_target="tpu_custom_call"', hlo))}")
+  if dump:
+    print(f"  the {args.largest} largest slices of the temporaries (MiB: values' shapes):")
+    for line in largest_slices(dump, args.largest):
+      print("    " + line)
+    shutil.rmtree(dump)
+
+
+def load_config(spec: str):
+  """"configs/lm_paper.py:370m" -> that module's get_config("370m") (no argument: get_config())."""
+  path, _, arg = spec.partition(":")
+  module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def largest_slices(dump: str, n: int) -> list:
+  """The n largest slices of the largest allocation in the compiler's memory-usage report:
+  "size MiB: the shapes of the values that share the slice" (offsets reused over time)."""
+  report = max(pathlib.Path(dump).glob("*memory-usage-report.txt"),
+               key=lambda p: p.stat().st_size).read_text()
+  tables = [t for t in report.split("cumulative_size;") if "shapes_list" in t]
+  rows = []
+  for line in tables[0].splitlines() if tables else []:
+    cells = [c.strip() for c in line.split(";")]
+    if len(cells) == 5 and cells[2].isdigit():
+      size = cells[1]
+      number, unit = re.match(r"([\d.]+)(\w+)", size).groups()
+      scale = {"B": 2**-20, "KiB": 2**-10, "MiB": 1, "GiB": 2**10}[unit]
+      rows.append((float(number) * scale, cells[4]))
+  rows.sort(key=lambda r: -r[0])
+  return [f"{mib:9,.1f}: {shapes[:150]}" for mib, shapes in rows[:n]]
 
 
 if __name__ == "__main__":
