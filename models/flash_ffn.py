@@ -166,9 +166,7 @@ class FlashFFN(nnx.Module):
     self.router = param(jax.nn.initializers.truncated_normal(0.02)(
         rngs.params(), (num_heads, d_h, num_experts), param_dtype), "heads", "head_dim", None)
     shape = (num_heads, num_experts, d_expert, d_h)
-    # d_e over fsdp; where fsdp does not divide it, d_h instead (never the whole table on
-    # every device: the 370M FRAC model's d_e = 264 replicated 2 GiB of tables and Adam moments)
-    table_axes = ("heads", None, "expert_mlp", "head_dim")
+    table_axes = ("heads", None, "expert_mlp", None)
     self.k = param(gate_up(rngs.params(), shape, param_dtype), *table_axes)
     self.u = param(gate_up(rngs.params(), shape, param_dtype), *table_axes)
     self.v = param(down(rngs.params(), shape, param_dtype), *table_axes)

@@ -249,15 +249,3 @@ def test_flashffn_casts_its_tables_before_the_op_only_where_they_are_split(monke
     run(layer, x)
   assert seen == [{jnp.dtype(jnp.float32)}, {jnp.dtype(jnp.bfloat16)}]
 
-
-def test_flashffn_tables_split_over_fsdp_whatever_d_e():
-  """A table whose d_e the fsdp axis does not divide (24 over 16) is split along d_h instead,
-  never held whole on every device (the 370M FRAC + FlashFFN model's d_e = 264 over 16 chips
-  replicated its tables and their Adam moments: 2 GiB per chip, benchmarks/aot/scale.py)."""
-  from models import FlashFFN
-  from models.partitioning import spec_for
-  mesh = jax.sharding.AbstractMesh((1, 16, 1), ("data", "fsdp", "tensor"))
-  for d_expert, fsdp_dim in ((32, 2), (24, 3)):
-    layer = nnx.eval_shape(lambda: FlashFFN(32, 2, 2, d_expert, rngs=nnx.Rngs(0)))
-    spec = spec_for(logical_axes(layer.k), layer.k.shape, mesh)
-    assert spec[fsdp_dim] == "fsdp" and "fsdp" not in spec[:fsdp_dim], (d_expert, spec)
