@@ -176,7 +176,8 @@ def _fwd_kernel(q_ref, r_ref, *refs, plan: TilePlan, router: Router | None):
   if router is None:
     k_ref, u_ref, v_ref, o_ref, acc_ref = refs
   else:
-    gain_ref, raw, (o_ref, acc_ref), (k_ref, u_ref, v_ref) = refs[0], refs[1:4], refs[4:6], refs[6:]
+    gain_ref, raw = refs[0], refs[1:4]
+    (o_ref, acc_ref), (k_ref, u_ref, v_ref) = refs[4:6], refs[6:]
 
     @pl.when(pl.program_id(1) == 0)
     def _():
