@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxops import checks
 from jaxops.rms_norm import rms_normalize_groups
+from jaxops.tiling import seq_chunks, seq_unchunk
 
 _F32 = jnp.float32
 
@@ -148,8 +149,8 @@ def fold_gain(k, u, v, gain, dtype):
   """The tables (K g, U g, V) in the compute `dtype` for a layer whose heads are q_hat * g.
 
   (q_hat g) K^T = q_hat (K g)^T: the norm gain g [H, d_h] scales K's and U's d_h columns
-  (V's product is d_e-wide, untouched); the router's rows take g the same way (`mhffn_routed`).
-  gain=None: the tables only cast.
+  (V's product is d_e-wide, untouched); the router's rows take g the same way
+  (`fold_router_gain`). gain=None: the tables only cast.
   """
   if gain is None:
     return tuple(t.astype(dtype) for t in (k, u, v))
@@ -157,13 +158,18 @@ def fold_gain(k, u, v, gain, dtype):
   return fold(k), fold(u), v.astype(dtype)
 
 
+def fold_router_gain(router, gain):
+  """The router [H, d_h, E] for a layer whose heads are q_hat * g: (q_hat g) W_r = q_hat (g
+  W_r), its d_h rows scaled by the norm gain g [H, d_h]; gain=None: the router."""
+  return router if gain is None else router * gain[:, :, None].astype(router.dtype)
+
+
 def mhffn_routed(q, router, k, u, v, *, gain=None, normalize: bool = True, chunk: int = 512):
   """Fast XLA path of the layer's op (`mhffn_routed_reference`'s math): `route_heads` then
   `mhffn`, with the norm gain g [H, d_h] folded into the router's rows and the tables
   (`fold_gain`). q [B, L, H, d_h] -> o [B, L, H, d_h] in q.dtype."""
-  if gain is not None:
-    router = router * gain[:, :, None].astype(router.dtype)
-  q_hat, r = route_heads(q.reshape(*q.shape[:2], -1), router, normalize=normalize)
+  q_hat, r = route_heads(q.reshape(*q.shape[:2], -1), fold_router_gain(router, gain),
+                         normalize=normalize)
   return mhffn(q_hat, r, *fold_gain(k, u, v, gain, q.dtype), chunk=chunk)
 
 
@@ -176,19 +182,10 @@ def mhffn(q, r, k, u, v, *, chunk: int = 512):
   """
   check_mhffn_inputs(q, r, k, u, v)
   checks.ints("mhffn", {"chunk": chunk})
-  batch, length = q.shape[:2]
-  chunk = min(chunk, length)
-  num_chunks = -(-length // chunk)
-  pad = num_chunks * chunk - length
-
-  def to_chunks(x):
-    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    return jnp.moveaxis(x.reshape(batch, num_chunks, chunk, *x.shape[2:]), 1, 0)
-
+  chunk = min(chunk, q.shape[1])
   body = jax.checkpoint(lambda qr: _mhffn_dense(qr[0], qr[1], k, u, v))
-  o = jax.lax.map(body, (to_chunks(q), to_chunks(r)))
-  o = jnp.moveaxis(o, 0, 1).reshape(batch, num_chunks * chunk, *o.shape[3:])
-  return o[:, :length].astype(q.dtype)
+  o = jax.lax.map(body, (seq_chunks(q, chunk), seq_chunks(r, chunk)))
+  return seq_unchunk(o, q.shape[1]).astype(q.dtype)
 
 
 def swiglu(x, w_gate, w_up, w_down):

@@ -37,3 +37,18 @@ def round_up(x: int, multiple: int) -> int:
 def next_pow2(x: int, minimum: int = 16) -> int:
   """The smallest power of two >= max(x, minimum) (Triton block sizes; tl.dot needs >= 16)."""
   return max(minimum, 1 << max(0, x - 1).bit_length())
+
+
+def seq_chunks(x, chunk: int):
+  """x [B, L, ...] -> [ceil(L / chunk), B, chunk, ...]: L zero-padded to whole chunks, the
+  chunks leading (for `jax.lax.map` / `scan` over them)."""
+  batch, length = x.shape[:2]
+  steps = -(-length // chunk)
+  x = jnp.pad(x, ((0, 0), (0, steps * chunk - length)) + ((0, 0),) * (x.ndim - 2))
+  return jnp.moveaxis(x.reshape(batch, steps, chunk, *x.shape[2:]), 1, 0)
+
+
+def seq_unchunk(x, length: int):
+  """`seq_chunks`' inverse: [steps, B, chunk, ...] -> [B, length, ...], the padding dropped."""
+  x = jnp.moveaxis(x, 0, 1)
+  return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]

@@ -21,6 +21,7 @@ from flax import nnx
 
 from jaxops import checks
 from jaxops.rope import rope_1d
+from jaxops.tiling import seq_chunks, seq_unchunk
 from models.partitioning import constrain, param
 
 
@@ -86,22 +87,24 @@ class CausalAttention(nnx.Module):
 
   def _attend(self, q, k, v, mask):
     """q [B, Lq, H, D], k, v [B, Lk, H, D], mask [Lq, Lk] (True = keep) -> [B, Lq, d]."""
-    o = constrain(_softmax_attention(q, k, v, mask), ("batch", "seq", "act_heads", None))
-    return jnp.einsum("bqhd,hdm->bqm", o, self.wo[...].astype(v.dtype))
+    return self._out(_softmax_attention(q, k, v, mask))
+
+  def _out(self, o):
+    """Heads' outputs [B, L, H, D] -> y = o Wo [B, L, d]."""
+    o = constrain(o, ("batch", "seq", "act_heads", None))
+    return jnp.einsum("bqhd,hdm->bqm", o, self.wo[...].astype(o.dtype))
 
   def __call__(self, x):
     """x [B, L, d] -> [B, L, d]."""
     checks.sequence("CausalAttention", "x", x, self.wo.shape[-1])
-    batch, length = x.shape[:2]
+    length = x.shape[1]
     q, k, v = self._qkv(x, jnp.arange(length))
     q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
     chunk = self.query_chunk or default_query_chunk(self.num_heads, length)
     if length <= chunk:
       return self._attend(q, k, v, jnp.tril(jnp.ones((length, length), bool)))
-    steps = -(-length // chunk)
     # Padded queries (past L) see every key, so no row is all -inf; they are dropped.
-    q = jnp.pad(q, ((0, 0), (0, steps * chunk - length), (0, 0), (0, 0)))
-    q = jnp.moveaxis(q.reshape(batch, steps, chunk, *q.shape[2:]), 1, 0)
+    q = seq_chunks(q, chunk)
     keys = jnp.arange(length)
 
     @jax.checkpoint
@@ -109,10 +112,8 @@ class CausalAttention(nnx.Module):
       q_c, start = args
       return _softmax_attention(q_c, k, v, (start + jnp.arange(chunk))[:, None] >= keys)
 
-    o = jax.lax.map(one_chunk, (q, jnp.arange(steps) * chunk))
-    o = jnp.moveaxis(o, 0, 1).reshape(batch, steps * chunk, *o.shape[3:])[:, :length]
-    o = constrain(o, ("batch", "seq", "act_heads", None))
-    return jnp.einsum("bqhd,hdm->bqm", o, self.wo[...].astype(v.dtype))
+    o = jax.lax.map(one_chunk, (q, jnp.arange(q.shape[0]) * chunk))
+    return self._out(seq_unchunk(o, length))
 
   def init_cache(self, batch: int):
     """{"k", "v": [batch, context, H, D] zeros, "pos": 0}."""

@@ -341,7 +341,7 @@ def test_lm_loss_is_the_masked_mean_cross_entropy():
   targets = rng.integers(0, 11, (2, 7))
   mask = (rng.random((2, 7)) < 0.4).astype(np.float32)
   model = types.SimpleNamespace(features=lambda inputs: jnp.asarray(features, jnp.float32),
-                                head=jnp.asarray(head, jnp.float32))
+                                logits=lambda f: f @ jnp.asarray(head, jnp.float32))
   nll = -np.take_along_axis(_log_softmax(logits), targets[..., None], -1)[..., 0]
   loss, aux = lm_task.lm_loss(model, {"inputs": None, "targets": jnp.asarray(targets)})
   np.testing.assert_allclose(loss, nll.mean(), rtol=1e-5)
@@ -364,7 +364,7 @@ def test_chunked_cross_entropy_is_the_whole_logits_loss(masked):
   labels = jnp.asarray(rng.integers(0, 50, (2, 10)))
   mask = jnp.asarray(rng.random((2, 10)) < 0.6, jnp.float32) if masked else None
   whole = lambda x, h: losses.masked_cross_entropy(x @ h, labels, mask)
-  chunked = lambda x, h: losses.chunked_cross_entropy(x, h, labels, mask, chunk=4)
+  chunked = lambda x, h: losses.chunked_cross_entropy(x, lambda f: f @ h, labels, mask, chunk=4)
   np.testing.assert_allclose(chunked(x, head), whole(x, head), rtol=1e-6)
   grads = jax.grad(lambda *a: chunked(*a)[0], argnums=(0, 1))(x, head)
   grads_ref = jax.grad(lambda *a: whole(*a)[0], argnums=(0, 1))(x, head)

@@ -140,8 +140,8 @@ MUTANTS = [
       "r = jax.nn.softmax(z.reshape(*lead, heads, experts), axis=-1)",
       f"{FFN}::test_flashffn_formula_with_defaults"),
     m("flashffn_gain_not_folded_into_router", "jaxops/flash_ffn.py",
-      "    router = router * gain[:, :, None].astype(router.dtype)",
-      "    router = router",
+      "  return router if gain is None else router * gain[:, :, None].astype(router.dtype)",
+      "  return router",
       f"{FFN}::test_flashffn_formula_with_defaults"),
     m("flashffn_gain_folded_into_v", "jaxops/flash_ffn.py",
       "return fold(k), fold(u), v.astype(dtype)", "return fold(k), fold(u), fold(v)",
@@ -302,17 +302,18 @@ MUTANTS = [
       "return (ce * mask).sum() / count, (correct * mask).sum() / count",
       "return ce.mean(), (correct * mask).sum() / count",
       f"{TS}::test_lm_loss_is_the_masked_mean_cross_entropy"),
-    m("chunked_loss_counts_padding", "train/losses.py",
-      "x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))",
-      "x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), constant_values=1)",
+    m("chunked_loss_counts_padding", "jaxops/tiling.py",
+      "  x = jnp.pad(x, ((0, 0), (0, steps * chunk - length)) + ((0, 0),) * (x.ndim - 2))",
+      "  x = jnp.pad(x, ((0, 0), (0, steps * chunk - length)) + ((0, 0),) * (x.ndim - 2),\n"
+      "              constant_values=1)",
       f"{TS}::test_chunked_cross_entropy_is_the_whole_logits_loss"),
     m("chunked_loss_keeps_every_chunk", "train/losses.py",
       "  @jax.checkpoint\n  def step(sums, xs):", "  def step(sums, xs):",
       f"{TS}::test_chunked_cross_entropy_is_the_whole_logits_loss"),
     m("lm_loss_whole_logits", "train/lm_task.py",
-      "  loss, accuracy = chunked_cross_entropy(model.features(batch[\"inputs\"]), model.head[...],\n"
+      "  loss, accuracy = chunked_cross_entropy(model.features(batch[\"inputs\"]), model.logits,\n"
       "                                         batch[\"targets\"], mask)",
-      "  loss, accuracy = chunked_cross_entropy(model.features(batch[\"inputs\"]), model.head[...],\n"
+      "  loss, accuracy = chunked_cross_entropy(model.features(batch[\"inputs\"]), model.logits,\n"
       "                                         batch[\"targets\"], mask, chunk=2**30)",
       "tests/test_lm.py::test_lm_loss_chunks_a_large_vocabulary"),
     m("dice_counts_background", "train/seg3d_task.py",
@@ -372,7 +373,7 @@ MUTANTS = [
       "    for acc in accs[:3]:\n      acc[...] = jnp.zeros_like(acc)",
       "tests/test_flash_ffn_routed.py::test_matches_reference_forward_and_gradients"),
     m("flashffn_routed_gain_not_folded_into_router", "pallas_kernels/flash_ffn/__init__.py",
-      "    w_r = w_r * gain[:, :, None].astype(w_r.dtype)", "    w_r = w_r",
+      "    w_r = fold_router_gain(w_r, gain)", "    w_r = w_r",
       "tests/test_flash_ffn_routed.py::test_matches_reference_forward_and_gradients"),
     m("flashffn_routed_gain_not_staged_into_k", "pallas_kernels/flash_ffn/mosaic.py",
       "  for src, dst, folded in zip(raw, staged, (True, True, False)):",

@@ -54,7 +54,7 @@ def lm_loss(model, batch):
   (`train.losses.chunked_cross_entropy`): a large vocabulary's [B, L, V] float32 logits and
   their gradient are never held whole."""
   mask = batch.get("mask")
-  loss, accuracy = chunked_cross_entropy(model.features(batch["inputs"]), model.head[...],
+  loss, accuracy = chunked_cross_entropy(model.features(batch["inputs"]), model.logits,
                                          batch["targets"], mask)
   return loss, ({} if mask is None else {"accuracy": accuracy})
 

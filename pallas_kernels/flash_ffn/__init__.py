@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxops import checks
-from jaxops.flash_ffn import check_mhffn_inputs, fold_gain, route_heads
+from jaxops.flash_ffn import check_mhffn_inputs, fold_gain, fold_router_gain, route_heads
 from jaxops.tiling import round_up
 from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
 from pallas_kernels.flash_ffn import mosaic, mosaic_gpu, triton
@@ -190,7 +190,7 @@ def mhffn_routed(q, w_r, k, u, v, *, gain=None, normalize: bool = True, interpre
     gain = jnp.ones((heads, d_h), jnp.float32)
   else:
     checks.shape("mhffn_routed", "gain", gain, (heads, d_h), f"[H={heads}, d_h={d_h}]")
-    w_r = w_r * gain[:, :, None].astype(w_r.dtype)
+    w_r = fold_router_gain(w_r, gain)
   cfg = _config("mhffn_routed", q, backend, interpret, block_sizes)
   return _mhffn_routed(q, w_r, k, u, v, gain, cfg, normalize)
 
