@@ -11,7 +11,7 @@ LOWEST_CONSTRAINTS := constraints/py311-jax010.txt
 
 .PHONY: setup setup-lowest test test-lowest test-slow mutants demo bench clean aot-setup \
         compile-check compile-check-tpu compile-check-gpu memory-aot lock perf-tpu \
-        perf-tpu-sweep
+        perf-tpu-sweep sass sass-setup
 
 setup:
 	@tools/venv.sh $(VENV) 3.12 $(CONSTRAINTS) dev
@@ -72,6 +72,19 @@ compile-check-tpu: setup $(AOT_TPU)
 # TPU rows of the last full run.
 compile-check-gpu: setup $(AOT_GPU)
 	$(PY) -m benchmarks.aot.check --targets=gpu-a100,gpu-h100,gpu-h200,gpu-b200 --merge --readme
+
+# What the Mosaic GPU kernels compile to on Hopper, without a GPU: per main-loop iteration
+# HGMMA shapes, waits, shared-memory stores and fences, MUFU ops, spills; registers, CTAs
+# per SM and waves (benchmarks/aot/sass.py; ~2 min); rewrites the table in benchmarks/README.md.
+# nvdisasm comes from NVIDIA's wheel, installed beside (not into) the GPU venv's packages:
+# jax would take that wheel's nvidia.cu13 folder, which has no ptxas, for its CUDA root.
+NVDISASM := nvidia-cuda-nvdisasm==13.5.37
+sass-setup: $(AOT_GPU)
+	@test -x .venv-aot-gpu/nvdisasm/nvidia/cu13/bin/nvdisasm || .venv-aot-gpu/bin/pip install \
+	  --quiet --no-deps --target .venv-aot-gpu/nvdisasm $(NVDISASM)
+
+sass: setup sass-setup
+	$(PY) -m benchmarks.aot.sass --readme
 
 # TPU speed without a TPU: libtpu's static cycle estimate of each kernel beside the XLA
 # program it replaces, v5e and v6e (benchmarks/aot/perf.py; ~1-2 h on 2 cores, not in CI);

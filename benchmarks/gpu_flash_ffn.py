@@ -14,6 +14,8 @@ the whole layers (FlashFFN adds its [d, d] in and out projections).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import sys
 
@@ -26,6 +28,7 @@ from jaxops import flash_ffn as ops
 from models import FlashFFN, SwiGLU
 from pallas_kernels import dispatch
 from pallas_kernels import flash_ffn as kernel
+from pallas_kernels.flash_ffn import blocks
 from pallas_kernels.flash_ffn.tiles import mosaic_gpu_generations
 
 D, HEADS, EXPERTS, D_E, D_FF_SWIGLU = 1024, 8, 11, 256, 2752
@@ -48,6 +51,22 @@ def gpu_backends() -> tuple[str, ...]:
   return tuple(dict.fromkeys(("triton", auto_backend())))
 
 
+# Kernel-body variants timed beside the bodies `gpu_backends` names (Hopper, 16-bit): the
+# warp-specialized forward (`mosaic_gpu_ws.py`, measured on no chip before this script) at
+# the tuned tiles and with 64-wide table tiles (every HGMMA 64x128x16 in its SASS).
+WS_VARIANTS = {"mosaic_gpu ws": dict(compute_wgs=2),
+               "mosaic_gpu ws bi64": dict(compute_wgs=2, block_inter=64)}
+
+
+def bodies(dtype=jnp.bfloat16) -> dict[str, dict]:
+  """{name: mhffn keyword arguments} of every kernel body to check and time for `dtype`."""
+  out = {b: dict(backend=b) for b in gpu_backends()
+         if b != "mosaic_gpu" or dispatch.mosaic_gpu_dtype_ok(dtype)}
+  if "mosaic_gpu" in out and (dispatch.compute_capability() or (0,))[0] == dispatch.HOPPER:
+    out.update({n: dict(backend="mosaic_gpu", **kw) for n, kw in WS_VARIANTS.items()})
+  return out
+
+
 def op_inputs(batch: int, length: int, dtype, seed: int = 0):
   ks = jax.random.split(jax.random.key(seed), 5)
   q = jax.random.normal(ks[0], (batch, length, HEADS, D_H)).astype(dtype)
@@ -57,16 +76,18 @@ def op_inputs(batch: int, length: int, dtype, seed: int = 0):
   return q, r, k, u, v
 
 
-def check(backend, dtype, length, tol) -> bool:
-  """Output and the five gradients of one kernel body against the float32 reference."""
+def check(body, dtype, length, tol) -> bool:
+  """Output and the five gradients of one kernel body (a `bodies` name, or "mosaic" for
+  the interpreted smoke test) against the float32 reference."""
   args = op_inputs(1, length, dtype)
   loss = lambda op, *a: jnp.sum(jnp.sin(op(*a).astype(jnp.float32)))
   run = lambda op: jax.jit(lambda *a: (op(*a), jax.grad(functools.partial(loss, op),
                                                         argnums=range(5))(*a)))
   interpret = None if ON_GPU else True
-  fast = run(functools.partial(kernel.mhffn, backend=backend, interpret=interpret))(*args)
+  kwargs = bodies(dtype)[body] if ON_GPU else dict(backend=body)
+  fast = run(functools.partial(kernel.mhffn, interpret=interpret, **kwargs))(*args)
   ref = run(ops.mhffn_reference)(*(a.astype(jnp.float32) for a in args))
-  return report_errors(f"{backend} {jnp.dtype(dtype).name} L={length}",
+  return report_errors(f"{body} {jnp.dtype(dtype).name} L={length}",
                        ["o"] + [f"d{n}" for n in "qrkuv"], jax.tree.leaves(fast),
                        jax.tree.leaves(ref), tol)
 
@@ -77,12 +98,12 @@ def fwd_and_step(fn):
                                  argnums=tuple(range(len(a))))(*a)
 
 
-def time_ops(batch: int, length: int, dtype, backends) -> None:
+def time_ops(batch: int, length: int, dtype) -> None:
   """mhffn per kernel body and the chunked XLA path, side by side."""
   args = op_inputs(batch, length, dtype, seed=1)
   flops = 6 * batch * length * HEADS * EXPERTS * D_E * D_H
-  paths = {f"mhffn {b}": functools.partial(kernel.mhffn, backend=b, interpret=False)
-           for b in backends}
+  paths = {f"mhffn {b}": functools.partial(kernel.mhffn, interpret=False, **kw)
+           for b, kw in bodies(dtype).items()}
   paths["mhffn XLA chunked"] = ops.mhffn
   times = {}
   for name, op in paths.items():
@@ -95,9 +116,22 @@ def time_ops(batch: int, length: int, dtype, backends) -> None:
   for name, (fwd_s, step_s) in times.items():
     ratio = (f"XLA/this fwd {base[0] / fwd_s:.2f}x, fwd+bwd {base[1] / step_s:.2f}x"
              if base else "")
-    print(f"  B={batch} L={length} {jnp.dtype(dtype).name} {name:22s} fwd {fwd_s * 1e3:7.2f} ms"
+    print(f"  B={batch} L={length} {jnp.dtype(dtype).name} {name:27s} fwd {fwd_s * 1e3:7.2f} ms"
           f" ({flops / fwd_s / 1e12:5.0f} TFLOP/s)  fwd+bwd {step_s * 1e3:7.2f} ms"
           f" ({3 * flops / step_s / 1e12:5.0f} TFLOP/s)  {ratio}", flush=True)
+
+
+@contextlib.contextmanager
+def tuned_mosaic_gpu(**fields):
+  """The tuned 16-bit Mosaic GPU entries with `fields` replaced while inside (a layer takes
+  no block sizes; functions jitted inside trace with them)."""
+  saved = {key: b for key, b in blocks.TUNED.items()
+           if key[0] == "mosaic_gpu" and key[2] == "bfloat16"}
+  blocks.TUNED.update({key: dataclasses.replace(b, **fields) for key, b in saved.items()})
+  try:
+    yield
+  finally:
+    blocks.TUNED.update(saved)
 
 
 def time_layers(length: int, dtype) -> None:
@@ -110,15 +144,18 @@ def time_layers(length: int, dtype) -> None:
       "FlashFFN XLA": FlashFFN(D, HEADS, EXPERTS, D_E, impl="xla", dtype=dtype,
                                rngs=nnx.Rngs(0)),
   }
+  if "mosaic_gpu ws" in bodies(dtype):  # the same layer, its forward kernel the warp-specialized one
+    layers["FlashFFN kernel ws"] = layers["FlashFFN kernel"]
   times = {}
   for name, layer in layers.items():
     graphdef, params = nnx.split(layer)
     fwd, step = fwd_and_step(lambda p, x, g=graphdef: nnx.merge(g, p)(x))
-    times[name] = (wall_seconds(fwd, params, x, repeats=10),
-                   wall_seconds(step, params, x, repeats=10))
+    with tuned_mosaic_gpu(**(WS_VARIANTS["mosaic_gpu ws"] if name.endswith(" ws") else {})):
+      times[name] = (wall_seconds(fwd, params, x, repeats=10),
+                     wall_seconds(step, params, x, repeats=10))
   base = times["SwiGLU (XLA)"]
   for name, (fwd_s, step_s) in times.items():
-    print(f"  L={length} {jnp.dtype(dtype).name} {name:16s} fwd {fwd_s * 1e3:7.2f} ms  "
+    print(f"  L={length} {jnp.dtype(dtype).name} {name:18s} fwd {fwd_s * 1e3:7.2f} ms  "
           f"fwd+bwd {step_s * 1e3:7.2f} ms  (SwiGLU/this fwd {base[0] / fwd_s:.2f}x, "
           f"fwd+bwd {base[1] / step_s:.2f}x)", flush=True)
 
@@ -140,10 +177,11 @@ def main(argv) -> int:
   print(f"  kernel bodies: {backends}; backend=None picks {auto_backend()} for bfloat16, "
         f"{auto_backend(jnp.float32)} for float32")
   # A forced Mosaic GPU kernel compiles for 16-bit inputs only (dispatch.mosaic_gpu_dtype_ok).
+  # Each body through every check; the variants through the odd-length bf16 one (time).
   ok = all([check_in_subprocess("benchmarks.gpu_flash_ffn", b, *map(str, c))
-            for b in backends for c in CHECKS
-            if b != "mosaic_gpu" or dispatch.mosaic_gpu_dtype_ok(c[0])])
-  time_ops(4, 16384, jnp.bfloat16, backends)
+            for c in CHECKS for b in bodies(jnp.dtype(c[0]))
+            if b not in WS_VARIANTS or c == CHECKS[-1]])
+  time_ops(4, 16384, jnp.bfloat16)
   for length in (4096, 16384):
     time_layers(length, jnp.bfloat16)
   return 0 if ok else 1

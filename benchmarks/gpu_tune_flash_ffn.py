@@ -21,14 +21,17 @@ from benchmarks.gpu_flash_ffn import ON_GPU, fwd_and_step, gpu_backends, op_inpu
 from pallas_kernels import flash_ffn as kernel
 from pallas_kernels.flash_ffn.blocks import BlockSizes
 
-# (block_q, block_inter, block_q_dkv, num_warps, num_warps_dkv, num_stages)
+# (block_q, block_inter, block_q_dkv, num_warps, num_warps_dkv, num_stages, compute_wgs);
+# compute_wgs=2: the warp-specialized forward (Hopper).
 CANDIDATES = {
-    "triton": [(64, 64, 64, 4, 8, 2), (128, 32, 64, 4, 8, 2), (64, 32, 128, 4, 8, 3),
-               (128, 64, 64, 8, 8, 2)],
-    "mosaic_gpu": [(64, 64, 64, 4, 4, 2), (128, 32, 64, 4, 4, 2), (64, 64, 64, 4, 4, 3),
-                   (128, 64, 64, 4, 4, 2), (64, 128, 64, 4, 4, 2)],
+    "triton": [(64, 64, 64, 4, 8, 2, 1), (128, 32, 64, 4, 8, 2, 1), (64, 32, 128, 4, 8, 3, 1),
+               (128, 64, 64, 8, 8, 2, 1)],
+    "mosaic_gpu": [(64, 64, 64, 4, 4, 2, 1), (128, 32, 64, 4, 4, 2, 1), (64, 64, 64, 4, 4, 3, 1),
+                   (64, 32, 32, 4, 4, 2, 2), (64, 64, 32, 4, 4, 2, 2),
+                   (64, 64, 32, 4, 4, 3, 2)],
 }
-FIELDS = ("block_q", "block_inter", "block_q_dkv", "num_warps", "num_warps_dkv", "num_stages")
+FIELDS = ("block_q", "block_inter", "block_q_dkv", "num_warps", "num_warps_dkv", "num_stages",
+          "compute_wgs")
 
 
 def main() -> int:

@@ -197,6 +197,37 @@ def test_auto_picks_the_gpu_kernel_per_chip(device_kind, dtype, backend):
     assert kernel_checks.BACKEND_CALL[other] not in text
 
 
+# The warp-specialized forward (compute_wgs=2; bf16 only): two consumer warpgroups of
+# block_q tokens per CTA and a producer streaming table tiles through num_stages slots. The
+# first shape's 154 tokens fill 2 CTAs (128 tokens each, one part padding) and walk 12 (e, c)
+# steps through 2 slots; d_h = 128 (flat layout) with 3 slots over 4 steps; one step, one slot.
+WS_CASES = [((2, 77, 2, 16, 3, 24), dict(MOSAIC_GPU_BLOCKS)),
+            ((1, 70, 2, 128, 2, 40), dict(MOSAIC_GPU_BLOCKS, block_inter=32, num_stages=3)),
+            ((1, 9, 1, 8, 1, 64), dict(MOSAIC_GPU_BLOCKS, block_inter=64))]
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("case", range(len(WS_CASES)))
+def test_mosaic_gpu_warp_specialized_forward(case, monkeypatch):
+  """Forward and gradients (the backward is the one-warpgroup kernels') against the float32
+  reference, races checked."""
+  shape, blocks = WS_CASES[case]
+  name = f"mosaic_gpu_ws{case}"
+  monkeypatch.setitem(PATHS, name, functools.partial(
+      kernel.mhffn, interpret=mosaic_gpu_interpreter(), backend="mosaic_gpu", compute_wgs=2,
+      **blocks))
+  check_against_reference(name, jnp.bfloat16, shape=shape)
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("dtype, blocks, match", [
+    (jnp.float32, dict(compute_wgs=2), "`compute_wgs=2` .* needs 16-bit inputs on Hopper"),
+    (jnp.bfloat16, dict(compute_wgs=3), "`compute_wgs` must be 1 or 2, got 3")])
+def test_mosaic_gpu_compute_wgs_errors(dtype, blocks, match):
+  with pytest.raises(ValueError, match=match):
+    kernel.mhffn(*make_inputs(dtype), interpret=True, backend="mosaic_gpu", **blocks)
+
+
 @needs_mosaic_gpu
 def test_forced_mosaic_gpu_refuses_float32_on_a_gpu():
   """backend='mosaic_gpu' with float32 inputs is a clear error when compiled for a GPU (its

@@ -15,6 +15,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+from benchmarks.aot.sass import dump_report as mosaic_gpu_sass
+
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
@@ -84,6 +86,8 @@ def mosaic_gpu(dump: pathlib.Path) -> dict:
     out.update(ptxas(path.read_text()))
   for name, kernel in smem.items():  # a kernel compiled earlier in the process has no .ptxas
     out.setdefault(f"{name}_mosaic_gpu_kernel", {})["smem"] = kernel
+  for name, sass in mosaic_gpu_sass(dump).items():  # with MOSAIC_GPU_DUMP_SASS set
+    out.setdefault(name, {}).update(sass)
   return out
 
 

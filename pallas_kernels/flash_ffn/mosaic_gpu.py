@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 
 from jaxops.tiling import round_up
 from pallas_kernels.dispatch import mosaic_gpu_module
+from pallas_kernels.flash_ffn import mosaic_gpu_ws
 from pallas_kernels.flash_ffn.tiles import TilePlan, activation_grads, weighted_activation
 from pallas_kernels.mosaic_gpu_common import (accumulators, blackwell, compiler_params,
                                               interpret_params, mma, mma_wait, products, read,
@@ -87,6 +88,8 @@ def _table_specs(plgpu, bi: int, d: int, transforms):
 
 
 def forward(plan: TilePlan, q, r, k, u, v, interpret):
+  if plan.blocks.compute_wgs == 2:
+    return mosaic_gpu_ws.forward(plan, _Layout(plan.flat, plan.d_h), q, r, k, u, v, interpret)
   plgpu = mosaic_gpu_module()
   bq, bi, d, steps = plan.blocks.block_q, plan.blocks.block_inter, plan.d_h, plan.blocks.num_stages
   dtype, layout, wide = q.dtype, _Layout(plan.flat, d), _two_byte(q.dtype)

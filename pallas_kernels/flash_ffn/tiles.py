@@ -272,6 +272,13 @@ class TilePlan:
         raise ValueError(f"mhffn: the Mosaic GPU kernel needs d_h <= {limit}"
                          f"{' on Blackwell' if blackwell() else ''}, got {d_h}")
       experts_pad, flat = experts, width == d_h
+      if blocks.compute_wgs not in (1, 2):
+        raise ValueError(f"mhffn: Mosaic GPU block size `compute_wgs` must be 1 or 2, got "
+                         f"{blocks.compute_wgs}")
+      if blocks.compute_wgs == 2 and (blackwell() or jnp.dtype(q.dtype).itemsize != 2):
+        raise ValueError("mhffn: `compute_wgs=2` (the warp-specialized forward) needs 16-bit "
+                         f"inputs on Hopper, got {jnp.dtype(q.dtype).name}"
+                         f"{' on Blackwell' if blackwell() else ''}")
     else:
       bi = min(blocks.block_inter, round_up(d_e, 8))
       if bi % 8:
@@ -286,7 +293,8 @@ class TilePlan:
       group = experts
     if backend != "mosaic_gpu":
       rows_dkuv = bi
-    tile = max(bq, bk)
+    # The warp-specialized forward's CTA holds compute_wgs token tiles.
+    tile = max(bq * (blocks.compute_wgs if backend == "mosaic_gpu" else 1), bk)
     if tile % bq or tile % bk:
       raise ValueError(f"mhffn: block_q ({bq}) and block_q_dkv ({bk}) must divide one another")
     return cls(dataclasses.replace(blocks, block_q=bq, block_inter=bi, block_q_dkv=bk), heads,
