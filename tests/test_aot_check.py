@@ -154,6 +154,11 @@ def test_cases_cover_the_issue_shapes_and_round_trip():
       assert cases.parse(c.name) == c
   hopper = cases.all_cases("gpu", generation="hopper")
   assert [c.backend for c in hopper if c.expect_failure] == ["", "mosaic_gpu"]
+  # the warp-specialized FlashFFN bodies (opt-in) compile for Hopper only
+  assert [c for c in hopper if ("compute_wgs", 2) in c.blocks] == cases.OPT_IN["hopper"]
+  assert {c.direction for c in cases.OPT_IN["hopper"]} == {"fwd", "grad"}
+  assert not any(("compute_wgs", 2) in c.blocks
+                 for c in cases.all_cases("gpu", generation="blackwell"))
   for c in hopper:
     assert cases.parse(c.name) == c
   # B200: the Blackwell kernel's own oversized case (its tiles are at most 128 rows).

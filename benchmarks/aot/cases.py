@@ -102,6 +102,17 @@ OVERSIZED = {
 }
 
 
+# Kernel bodies that are not a default, compiled for their generation beside the defaults:
+# FlashFFN's warp-specialized forward and dq/dr kernels (Hopper; `compute_wgs=2`) at the tuned
+# tiles and with 64-wide table tiles.
+OPT_IN = {
+    "hopper": [Case("flash_ffn", "370m", direction, "bfloat16", blocks, backend="mosaic_gpu")
+               for direction in ("fwd", "grad")
+               for blocks in ((("compute_wgs", 2),),
+                              (("block_inter", 64), ("compute_wgs", 2)))],
+}
+
+
 def parse(name: str) -> Case:
   """The inverse of `Case.name` ("op/shape/direction/dtype[@backend][+block=value,...]")."""
   base, _, extra = name.partition("+")
@@ -115,8 +126,9 @@ def parse(name: str) -> Case:
 def all_cases(kind: str, ops=None, shapes=None, generation: str = "") -> list[Case]:
   """Every shape x direction x dtype of the given ops (far-offset shapes: grad only), plus the
   target kind's oversized case (and the Mosaic GPU one of the target's `generation`,
-  "hopper" or "blackwell", `Target.generation`) when their op is among `ops`. `shapes` (a set
-  of shape names, None: all) selects shapes and leaves the oversized cases out."""
+  "hopper" or "blackwell", `Target.generation`) and the generation's opt-in bodies (`OPT_IN`)
+  when their op is among `ops`. `shapes` (a set of shape names, None: all) selects shapes and
+  leaves the oversized and opt-in cases out."""
   cases = [Case(op, shape, direction, dtype)
            for op, op_shapes in SHAPES.items() if ops is None or op in ops
            for shape, sizes in op_shapes.items() if shapes is None or shape in shapes
@@ -125,7 +137,8 @@ def all_cases(kind: str, ops=None, shapes=None, generation: str = "") -> list[Ca
   oversized = [OVERSIZED[kind]] + ([OVERSIZED[generation]] if generation else [])
   if shapes is not None:
     return cases
-  return cases + [c for c in oversized if ops is None or c.op in ops]
+  opt_in = OPT_IN.get(generation, [])
+  return cases + [c for c in opt_in + oversized if ops is None or c.op in ops]
 
 
 def build(case: Case, kind: str):

@@ -43,8 +43,8 @@ BEGIN, END = "<!-- sass:begin -->", "<!-- sass:end -->"
 # The warp-specialized FlashFFN forward (not a default: measured on no chip yet) at the tuned
 # tiles and with 64-wide table tiles.
 CASES = ("flash_ffn/370m/grad/bfloat16",
-         "flash_ffn/370m/fwd/bfloat16@mosaic_gpu+compute_wgs=2",
-         "flash_ffn/370m/fwd/bfloat16@mosaic_gpu+block_inter=64,compute_wgs=2",
+         "flash_ffn/370m/grad/bfloat16@mosaic_gpu+compute_wgs=2",
+         "flash_ffn/370m/grad/bfloat16@mosaic_gpu+block_inter=64,compute_wgs=2",
          "frac_scan/16k/grad/bfloat16", "pack3d/65k/grad/bfloat16")
 
 # Hopper: 64K 32-bit registers, 228 KiB shared memory (1 KiB of it reserved per CTA),

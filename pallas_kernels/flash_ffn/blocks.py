@@ -27,10 +27,11 @@ class BlockSizes:
     fused backward); same rule as block_q.
   num_warps, num_stages: Triton launch parameters per kernel (ignored by Mosaic).
     Mosaic GPU: num_stages is the depth of its TMA pipelines (buffers per streamed tile).
-  compute_wgs: Mosaic GPU forward on Hopper, 16-bit inputs: 1 is the one-warpgroup kernel
-    (`mosaic_gpu.py`); 2 the warp-specialized one (`mosaic_gpu_ws.py`: a TMA producer and
-    two consumer warpgroups in ping-pong, each with block_q tokens; measured on no chip yet,
-    so not a default). Ignored by the other backends.
+  compute_wgs: Mosaic GPU on Hopper, 16-bit inputs: 1 runs the one-warpgroup kernels
+    (`mosaic_gpu.py`); 2 the warp-specialized ones (`mosaic_gpu_ws.py`: a TMA producer and
+    two consumer warpgroups in ping-pong, block_q tokens each in the forward and dq/dr
+    kernels; 64 table rows in the dK/dU/dV kernel, block_q_dkv tokens per step; measured on
+    no chip yet, so not a default). Ignored by the other backends.
 
   Sizes a caller passes apply on whatever chip the program is compiled for, and each chip's
   rule holds there: block_q=64 runs on an H100 and is a ValueError on a B200.
