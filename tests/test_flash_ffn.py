@@ -124,6 +124,25 @@ def test_mosaic_gpu_shapes(shape, dtype):
   check_against_reference("mosaic_gpu", dtype, shape=shape)
 
 
+@pytest.mark.parametrize("d_e, block, itemsize, tile", [
+    (264, 256, 2, 144),   # configs/lm_paper.py:370m with FRAC: 288 rows, not 512
+    (248, 256, 2, 256), (256, 256, 2, 256), (512, 256, 2, 256), (300, 256, 4, 152),
+    (24, 16, 4, 16), (40, 256, 4, 40)])
+def test_mosaic_table_tile_pads_less_than_a_tile(d_e, block, itemsize, tile):
+  """The TPU kernels' d_e tile: the fewest tiles of at most `block` rows, whole sublanes."""
+  got = tiles.mosaic_table_tile(d_e, block, itemsize)
+  assert got == tile
+  assert got % (8 * (4 // itemsize)) == 0 or got == block
+  assert -(-d_e // got) * got - d_e < got
+
+
+def test_mosaic_uneven_table_tiles(monkeypatch):
+  """d_e = 40 with block_inter = 32: two 24-row tiles (48 rows, 8 of them padding)."""
+  monkeypatch.setitem(PATHS, "mosaic_uneven", functools.partial(
+      kernel.mhffn, interpret=True, backend="mosaic", **dict(MOSAIC_BLOCKS, block_inter=32)))
+  check_against_reference("mosaic_uneven", jnp.float32, shape=(1, 21, 2, 16, 2, 40))
+
+
 def test_mosaic_flat_token_layout():
   """d_h = 128 lets Mosaic read q blocks straight from [T, H * d_h] (no head transpose)."""
   check_against_reference("mosaic", jnp.float32, shape=(1, 21, 2, 128, 2, 16))

@@ -60,6 +60,7 @@ TABLE = [
     ("flash_ffn/kernel", "flash_ffn/swiglu"), ("flash_ffn/kernels", "flash_ffn/swiglu"),
     ("flash_ffn/routed_kernels", "flash_ffn/swiglu"),
     ("flash_ffn/wide_kernels", "flash_ffn/swiglu"),
+    ("flash_ffn/lm370frac_routed_kernels", "flash_ffn/swiglu"),
     ("flash_ffn/xla", "flash_ffn/swiglu"),
     ("flash_ffn/swiglu", "flash_ffn/swiglu"),
     ("frac/kernel", "frac/xla"), ("frac/xla", "frac/xla"),
@@ -76,6 +77,9 @@ PARTS = {("flash_ffn/kernels", "fwd"): ("flash_ffn/fwd_kernel",),
          ("flash_ffn/routed_kernels", "fwd"): ("flash_ffn/routed_fwd_kernel",),
          ("flash_ffn/routed_kernels", "fwd+bwd"): ("flash_ffn/routed_fwd_kernel",
                                                    "flash_ffn/routed_bwd_kernel"),
+         ("flash_ffn/lm370frac_routed_kernels", "fwd"): ("flash_ffn/lm370frac_routed_fwd_kernel",),
+         ("flash_ffn/lm370frac_routed_kernels", "fwd+bwd"): (
+             "flash_ffn/lm370frac_routed_fwd_kernel", "flash_ffn/lm370frac_routed_bwd_kernel"),
          ("flash_ffn/wide_kernels", "fwd"): ("flash_ffn/wide_fwd_kernel",),
          ("flash_ffn/wide_kernels", "fwd+bwd"): ("flash_ffn/wide_fwd_kernel",
                                                  "flash_ffn/wide_bwd_kernel")}

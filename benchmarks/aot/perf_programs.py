@@ -81,7 +81,10 @@ def _flash_ffn_kernel_only(which: str, dtype, overrides: dict):
   from pallas_kernels.flash_ffn import BlockSizes, mosaic, tiles
   # "wide_": half the heads at twice the width, the same FLOPs (d_h = 256 fills a v6e MXU's
   # depth where 128 fills half of it).
-  s = dict(FFN, h=FFN["h"] // 2, d=2 * FFN["d"]) if which.startswith("wide_") else FFN
+  # "lm370frac_": the tables of configs/lm_paper.py:370m with the FRAC mixer (E = 9, d_e = 264,
+  # not a multiple of the 256-row tile: how the Mosaic kernels' d_e tile pads it).
+  s = (dict(FFN, h=FFN["h"] // 2, d=2 * FFN["d"]) if which.startswith("wide_")
+       else dict(FFN, e=9, f=264) if which.startswith("lm370frac_") else FFN)
   blocks = dataclasses.replace(BlockSizes.for_backend("mosaic", dtype), **overrides)
   q = jax.ShapeDtypeStruct((s["b"], s["l"], s["h"], s["d"]), dtype)
   k = jax.ShapeDtypeStruct((s["h"], s["e"], s["f"], s["d"]), dtype)
@@ -90,7 +93,7 @@ def _flash_ffn_kernel_only(which: str, dtype, overrides: dict):
   table = ((s["h"], plan.table_experts, plan.d_e, plan.d_h), dtype)
   router = ((s["h"], plan.experts_pad, plan.tokens), jnp.float32)
   flops = 2 * 3 * s["b"] * s["l"] * s["h"] * s["d"] * s["e"] * s["f"]
-  routed = which.startswith("routed_")
+  routed = "routed_" in which
   route, extra = None, {}
   if routed:
     # As the layer runs them: W_r [H, d_h, E padded to 128 lanes] in place of the router
@@ -235,6 +238,10 @@ PROGRAMS = {
     "flash_ffn/wide_fwd_kernel": ("flash_ffn", "the forward kernel alone at d_h = 256"),
     "flash_ffn/wide_bwd_kernel": ("flash_ffn", "the backward kernel alone at d_h = 256"),
     "flash_ffn/routed_bwd_kernel": ("flash_ffn", "the routed backward kernel alone"),
+    "flash_ffn/lm370frac_routed_kernels": ("flash_ffn", "the routed kernels at the 370M FRAC "
+                                           "LM's tables (E = 9, d_e = 264)"),
+    "flash_ffn/lm370frac_routed_fwd_kernel": ("flash_ffn", "its forward kernel alone"),
+    "flash_ffn/lm370frac_routed_bwd_kernel": ("flash_ffn", "its backward kernel alone"),
     "frac/kernel": ("frac", "Pallas kernel (frac_scan)"),
     "frac/xla": ("frac", "XLA chunked path"),
     "pack3d/kernel": ("pack3d", "Pallas kernels (pack3d_attention)"),

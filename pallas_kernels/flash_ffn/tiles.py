@@ -187,6 +187,17 @@ def _fit_tokens(backend: Backend, name: str, block: int, tokens: int) -> int:
   return min(block, round_up(tokens, 128))
 
 
+def mosaic_table_tile(d_e: int, block: int, itemsize: int) -> int:
+  """The Mosaic kernels' d_e tile: d_e in the fewest tiles of at most `block` rows, each
+  rounded up to whole sublane rows of the compute dtype (8 for 4-byte, 16 for 2-byte
+  values), so that d_e pads by less than a tile of rows: d_e = 264 takes 2 tiles of 144
+  (288 rows) where tiles of 256 would pad it to 512 and double the work. `block` itself
+  when d_e is a multiple of it."""
+  sublanes = 8 * max(1, 4 // itemsize)
+  tiles = -(-d_e // block)
+  return min(block, round_up(-(-d_e // tiles), sublanes))
+
+
 def mosaic_vmem_bytes(experts: int, d_e: int, d_h: int, itemsize: int, bq: int, bk: int,
                       bi: int, table_itemsize: int | None = None) -> int:
   """VMEM the larger Mosaic kernel (the backward) needs with `experts` experts per step.
@@ -280,10 +291,10 @@ class TilePlan:
                          f"inputs on Hopper, got {jnp.dtype(q.dtype).name}"
                          f"{' on Blackwell' if blackwell() else ''}")
     else:
-      bi = min(blocks.block_inter, round_up(d_e, 8))
-      if bi % 8:
+      if blocks.block_inter % 8:
         raise ValueError(f"mhffn: Mosaic block size `block_inter` must be a multiple of 8, "
                          f"got {blocks.block_inter}")
+      bi = mosaic_table_tile(d_e, blocks.block_inter, jnp.dtype(q.dtype).itemsize)
       width, flat = padded_d_h(backend, d_h, q.dtype), d_h % 128 == 0 or heads == 1
       group = mosaic_experts_per_step(experts, round_up(d_e, bi), width,
                                       jnp.dtype(q.dtype).itemsize, bq, bk, bi,
