@@ -248,6 +248,13 @@ def test_mosaic_gpu_compute_wgs_errors(dtype, blocks, match):
 
 
 @needs_mosaic_gpu
+def test_mosaic_gpu_warp_specialized_heads_at_most_128():
+  args = make_inputs(jnp.bfloat16, (1, 8, 1, 136, 1, 16))
+  with pytest.raises(ValueError, match=r"d_h <= 128 .* got bfloat16, d_h = 136"):
+    kernel.mhffn(*args, interpret=True, backend="mosaic_gpu", compute_wgs=2)
+
+
+@needs_mosaic_gpu
 def test_forced_mosaic_gpu_refuses_float32_on_a_gpu():
   """backend='mosaic_gpu' with float32 inputs is a clear error when compiled for a GPU (its
   float32 kernels fault on a real H200); the interpreter still runs them (tests above)."""

@@ -187,6 +187,11 @@ def _fit_tokens(backend: Backend, name: str, block: int, tokens: int) -> int:
   return min(block, round_up(tokens, 128))
 
 
+# The warp-specialized Hopper kernels' widest head: a consumer of the dK/dU/dV kernel holds
+# two [64, d_h] float32 sums, 2 d_h / 2 registers per thread of its 232.
+WS_MAX_D_H = 128
+
+
 def mosaic_table_tile(d_e: int, block: int, itemsize: int) -> int:
   """The Mosaic kernels' d_e tile: d_e in the fewest tiles of at most `block` rows, each
   rounded up to whole sublane rows of the compute dtype (8 for 4-byte, 16 for 2-byte
@@ -286,9 +291,11 @@ class TilePlan:
       if blocks.compute_wgs not in (1, 2):
         raise ValueError(f"mhffn: Mosaic GPU block size `compute_wgs` must be 1 or 2, got "
                          f"{blocks.compute_wgs}")
-      if blocks.compute_wgs == 2 and (blackwell() or jnp.dtype(q.dtype).itemsize != 2):
-        raise ValueError("mhffn: `compute_wgs=2` (the warp-specialized forward) needs 16-bit "
-                         f"inputs on Hopper, got {jnp.dtype(q.dtype).name}"
+      if blocks.compute_wgs == 2 and (blackwell() or jnp.dtype(q.dtype).itemsize != 2
+                                      or width > WS_MAX_D_H):
+        raise ValueError("mhffn: `compute_wgs=2` (the warp-specialized kernels) needs 16-bit "
+                         f"inputs on Hopper and d_h <= {WS_MAX_D_H} (two [64, d_h] float32 "
+                         f"sums per consumer), got {jnp.dtype(q.dtype).name}, d_h = {d_h}"
                          f"{' on Blackwell' if blackwell() else ''}")
     else:
       if blocks.block_inter % 8:
