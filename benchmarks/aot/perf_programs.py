@@ -221,6 +221,64 @@ def _layer(name: str, dtype):
   return fn, specs, 2 * tokens * weights, len(leaves) + 1
 
 
+def _lm_step_part(part: str, dtype, spec: dict) -> Program:
+  """One chip's share of a LanguageModel train step, for `step_estimate`: "block" (one of its
+  Blocks, forward and VJP under the model's remat, parameters float32 as stored) or "head"
+  (final norm, LM head and the chunked loss on given features, forward and VJP). libtpu's
+  profiler rejects gathers ("Unsupported DMA direction"): the embedding lookup is left out,
+  and the loss picks each label's logit by a one-hot sum (`train.losses._per_position`
+  replaced in this process; same matmuls and softmax). spec: config, mixer, ffn, context,
+  batch (sequences per chip). FLOPs: 6 x the part's parameters x tokens."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from benchmarks.aot.scale import load_config
+  from models import LanguageModel
+  from train import losses
+  from train.losses import chunked_cross_entropy
+  kwargs = dict(load_config(spec["config"]).model.to_dict(), num_layers=1, impl="pallas")
+  kwargs.update({k: spec[k] for k in ("mixer", "ffn", "context") if spec.get(k)})
+  model = nnx.eval_shape(lambda: LanguageModel(**kwargs, interpret=False, dtype=dtype,
+                                               rngs=nnx.Rngs(0)))
+  b, l, d = spec["batch"], kwargs["context"], kwargs["d_model"]
+  module = model.blocks[0] if part == "block" else model.norm
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+  leaves, treedef = jax.tree.flatten(params)
+  rest_leaves, rest_def = jax.tree.flatten(rest)
+  n, m = len(leaves), len(rest_leaves)
+  # arguments: the module's parameters, [the LM head,] the features x, its other state
+  extra = [] if part == "block" else [(model.head.shape, model.head.dtype)]
+  specs = ([(p.shape, p.dtype) for p in leaves] + extra + [((b, l, d), dtype)]
+           + [(r.shape, r.dtype) for r in rest_leaves])
+  weights = sum(math.prod(shape) for shape, _ in specs[:n + len(extra)])
+  k = n + len(extra)
+
+  def apply(a, x):
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, a[:n]),
+                     jax.tree.unflatten(rest_def, a[k + 1:k + 1 + m]))(x)
+
+  if part == "block":
+    block = lambda *a: apply(a, a[k])
+    fn = jax.checkpoint(block) if kwargs.get("remat") else block
+    return _with_grad(fn, specs, k + 1, 2 * b * l * weights, "", "fwd+bwd")
+
+  def one_hot_pick(logits, labels):
+    picked = jnp.where(labels[..., None] == jnp.arange(logits.shape[-1]), logits, 0.0)
+    ce = jax.nn.logsumexp(logits, -1) - jnp.sum(picked, -1)
+    return ce, (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+
+  losses._per_position = one_hot_pick
+
+  def head(*a):
+    logits = lambda f: jnp.einsum("...d,dv->...v", f, a[n].astype(f.dtype),
+                                  preferred_element_type=jnp.float32)
+    return chunked_cross_entropy(apply(a, a[k]), logits, a[-1], None)[0]
+
+  return _with_grad(head, specs + [((b, l), jnp.int32)], k + 1, 2 * b * l * weights, "",
+                    "fwd+bwd")
+
+
 PROGRAMS = {
     # name: (group, what it is)
     "flash_ffn/kernel": ("flash_ffn", "Pallas kernel (mhffn)"),
@@ -250,6 +308,8 @@ PROGRAMS = {
     "pack3d/dense": ("pack3d", "dense XLA attention"),
     "layer/flash_ffn": ("layer", "FlashFFN(1024) layer, kernel"),
     "layer/swiglu": ("layer", "SwiGLU(1024) layer"),
+    "lmstep/block": ("lmstep", "one Block of a LanguageModel, fwd + VJP under its remat"),
+    "lmstep/head": ("lmstep", "a LanguageModel's final norm, head and loss, fwd + VJP"),
 }
 KERNEL_PREFIX = {"flash_ffn": "flash_ffn", "frac": "frac_scan", "pack3d": "pack3d",
                  "layer": "flash_ffn"}
@@ -259,6 +319,8 @@ def build(name: str, direction: str, dtype_name: str, overrides: dict | None = N
   import jax.numpy as jnp
   dtype, overrides = jnp.dtype(dtype_name), dict(overrides or {})
   group, impl = name.split("/")
+  if group == "lmstep":   # overrides: the model's spec (`_lm_step_part`), not block sizes
+    return _lm_step_part(impl, dtype, overrides)
   kernel = KERNEL_PREFIX[group] if impl in ("kernel", "flash_ffn") else ""
   if name.startswith("layer/"):
     fn, specs, flops, num_diff = _layer(impl, dtype)

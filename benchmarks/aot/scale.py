@@ -6,9 +6,9 @@ parameters' sharding rules of `models.partitioning`, the batch over data x fsdp)
 by libtpu. The model is a config's (`configs/lm_paper.py:<size>` by default), with its mixer,
 FFN, context and remat overridable. Reports per chip what `memory_analysis()` says
 (arguments: parameters, optimizer state and batch; outputs; temporaries), whether it fits the
-chip's HBM with 10% headroom, and the collectives in the optimized HLO (kind: count). No step
-time: libtpu's static profile of a multi-chip program is not yet trusted (it gave one
-fusion's cycles for a whole sharded step, issue 33). Run in .venv-aot-tpu:
+chip's HBM with 10% headroom, and the collectives in the optimized HLO (kind: count). The
+step time comes from single-chip parts (`step_estimate.py`): libtpu's static profile of a
+multi-chip program is not trusted (it gave one fusion's cycles for a whole sharded step). Run in .venv-aot-tpu:
 
   PYTHONPATH=. .venv-aot-tpu/bin/python -m benchmarks.aot.scale \\
       --config=configs/lm_paper.py:370m --mixer=frac --ffn=flashffn --context=32768
