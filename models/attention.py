@@ -9,8 +9,9 @@ Decoding keeps k, v for `context` positions: cache {"k", "v": [B, context, H, D]
 
 Memory: a long sequence is attended `query_chunk` queries at a time, each chunk under
 `jax.checkpoint`, so the float32 [B, H, chunk, L] scores of one chunk are live at once and the
-backward recomputes them: O(chunk L) instead of O(L^2) per layer, for the same FLOPs (the
-causal half is computed and masked, as in the dense form).
+backward recomputes them: O(chunk L) instead of O(L^2) per layer. The chunks come in up to
+`KEY_GROUPS` static groups that attend only the keys before their group's end, so most of
+the masked causal half is never computed (56% of the dense form's score work at 8 groups).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def _softmax_attention(q, k, v, mask):
 
 # Float32 score elements per sequence that one query chunk may hold: 2^25 = 128 MiB.
 SCORE_ELEMENTS = 2**25
+# Static groups of query chunks, each attending the keys up to its last query: G groups do
+# (G + 1) / 2G of the full rectangle's score work (8: 56%; the causal half is 50%).
+KEY_GROUPS = 8
 
 
 def default_query_chunk(num_heads: int, length: int) -> int:
@@ -103,17 +107,25 @@ class CausalAttention(nnx.Module):
     chunk = self.query_chunk or default_query_chunk(self.num_heads, length)
     if length <= chunk:
       return self._attend(q, k, v, jnp.tril(jnp.ones((length, length), bool)))
-    # Padded queries (past L) see every key, so no row is all -inf; they are dropped.
-    q = seq_chunks(q, chunk)
-    keys = jnp.arange(length)
+    # The chunks come in at most KEY_GROUPS groups; a group's chunks attend only the keys up
+    # to the group's last query (a static slice), skipping most of the masked causal half.
+    # Padded queries (past a group's end) see every key, so no row is all -inf; dropped.
+    chunks = -(-length // chunk)
+    per_group = -(-chunks // min(chunks, KEY_GROUPS))
+    outs = []
+    for first in range(0, chunks, per_group):
+      start, stop = first * chunk, min(length, (first + per_group) * chunk)
+      k_g, v_g, keys = k[:, :stop], v[:, :stop], jnp.arange(stop)
 
-    @jax.checkpoint
-    def one_chunk(args):
-      q_c, start = args
-      return _softmax_attention(q_c, k, v, (start + jnp.arange(chunk))[:, None] >= keys)
+      @jax.checkpoint
+      def one_chunk(args, k_g=k_g, v_g=v_g, keys=keys):
+        q_c, offset = args
+        return _softmax_attention(q_c, k_g, v_g, (offset + jnp.arange(chunk))[:, None] >= keys)
 
-    o = jax.lax.map(one_chunk, (q, jnp.arange(q.shape[0]) * chunk))
-    return self._out(seq_unchunk(o, length))
+      q_g = seq_chunks(q[:, start:stop], chunk)
+      o = jax.lax.map(one_chunk, (q_g, start + jnp.arange(q_g.shape[0]) * chunk))
+      outs.append(seq_unchunk(o, stop - start))
+    return self._out(jnp.concatenate(outs, axis=1))
 
   def init_cache(self, batch: int):
     """{"k", "v": [batch, context, H, D] zeros, "pos": 0}."""

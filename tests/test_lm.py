@@ -123,8 +123,9 @@ def test_causal_attention_formula_and_init():
 
 
 def test_query_chunks_attend_as_the_dense_form():
-  """query_chunk=16 over L=40 (the last chunk padded): the formula, and the gradients of x
-  and every weight equal to the dense form's (one chunk); the default chunk's rule."""
+  """query_chunk=16 over L=40 (the last chunk padded; 3 key groups of one chunk): the
+  formula, and the gradients of x and every weight equal to the dense form's (one chunk);
+  the default chunk's rule."""
   from models.attention import default_query_chunk
   chunked = build(CausalAttention, 32, 2, context=64, query_chunk=16)
   x = normal(1, (2, 40, 32)).astype(np.float32)
@@ -143,6 +144,8 @@ def test_query_chunks_attend_as_the_dense_form():
   graphdef, state = nnx.split(chunked)
   text = jax.jit(jax.grad(lambda s: jnp.sum(nnx.merge(graphdef, s)(x)))).lower(state).as_text()
   assert "2x2x16x40xf32" in text and "2x2x40x40xf32" not in text and "x2x2x16x40xf32" not in text
+  # the second chunk (queries 16-31) scores only the keys before its group's end: 32, not 40
+  assert "2x2x16x32xf32" in text
   assert [default_query_chunk(12, n) for n in (1024, 4096, 32768)] == [2048, 512, 64]
 
 
