@@ -23,6 +23,7 @@ from jaxops import packing
 from models.impl import BODY_CALLS
 from pallas_kernels import flash_ffn, frac_scan, pack3d_attention
 from tests import kernel_checks
+from tools.readme_section import replace_section
 
 # (row label, export platform, GPU device kind)
 TARGETS = [("TPU", "tpu", None),
@@ -91,5 +92,4 @@ if __name__ == "__main__":
   text = table()
   print(text)
   if "--readme" in sys.argv[1:]:
-    head, rest = README.read_text().split(BEGIN, 1)
-    README.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    replace_section(README, BEGIN, END, text)

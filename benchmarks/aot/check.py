@@ -29,6 +29,7 @@ import time
 
 from benchmarks.aot import cases as cases_lib
 from benchmarks.aot.targets import TARGETS, environment
+from tools.readme_section import replace_section
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).parent
@@ -230,18 +231,8 @@ def main(argv=None):
   pathlib.Path(args.out + ".json").write_text(json.dumps(results, indent=1) + "\n")
   pathlib.Path(args.out + ".md").write_text(table + "\n" + summary + "\n")
   if args.readme:
-    write_readme(table, summary)
+    replace_section(README, BEGIN, END, table + "\n" + summary)
   return 1 if failures else 0
-
-
-def write_readme(table: str, summary: str) -> None:
-  """Replaces the table between BEGIN and END in benchmarks/README.md."""
-  text = README.read_text()
-  if BEGIN not in text:
-    sys.exit(f"compile check: {README} has no {BEGIN} ... {END} section")
-  head, rest = text.split(BEGIN, 1)
-  README.write_text(head + BEGIN + "\n" + table + "\n" + summary + "\n" + END
-                    + rest.split(END, 1)[1])
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import tempfile
 import time
 
 from benchmarks.aot import perf_programs
+from tools.readme_section import replace_section
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).parent
@@ -289,9 +290,7 @@ def main(argv=None):
                                               if r["program"] in dict(TABLE) else 99)))
   print(text)
   if args.readme:
-    readme = README.read_text()
-    head, rest = readme.split(BEGIN)
-    README.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    replace_section(README, BEGIN, END, text)
   return 0
 
 

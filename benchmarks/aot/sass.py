@@ -33,6 +33,8 @@ import pathlib
 import re
 import sys
 
+from tools.readme_section import replace_section
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).parent
 README = ROOT / "benchmarks" / "README.md"
@@ -285,16 +287,6 @@ def markdown(table: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def write_readme(table: str, note: str) -> None:
-  """Replaces the table between BEGIN and END in benchmarks/README.md."""
-  text = README.read_text()
-  if BEGIN not in text:
-    sys.exit(f"sass: {README} has no {BEGIN} ... {END} section")
-  head, rest = text.split(BEGIN, 1)
-  README.write_text(head + BEGIN + "\n" + table + "\n\n" + note + "\n" + END
-                    + rest.split(END, 1)[1])
-
-
 def main(argv=None):
   from benchmarks.aot import cases as cases_lib
   from benchmarks.aot.check import run_target
@@ -322,7 +314,7 @@ def main(argv=None):
   pathlib.Path(args.out + ".json").write_text(json.dumps(table, indent=1) + "\n")
   pathlib.Path(args.out + ".md").write_text(text + "\n\n" + note + "\n")
   if args.readme:
-    write_readme(text, note)
+    replace_section(README, BEGIN, END, text + "\n\n" + note)
   return 1 if failed or not table else 0
 
 
