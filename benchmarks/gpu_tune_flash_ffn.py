@@ -22,7 +22,7 @@ from pallas_kernels import flash_ffn as kernel
 from pallas_kernels.flash_ffn.blocks import BlockSizes
 
 # (block_q, block_inter, block_q_dkv, num_warps, num_warps_dkv, num_stages, compute_wgs);
-# compute_wgs=2: the warp-specialized forward (Hopper).
+# compute_wgs=2: the warp-specialized kernels (Hopper).
 CANDIDATES = {
     "triton": [(64, 64, 64, 4, 8, 2, 1), (128, 32, 64, 4, 8, 2, 1), (64, 32, 128, 4, 8, 3, 1),
                (128, 64, 64, 8, 8, 2, 1)],

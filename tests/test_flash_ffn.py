@@ -6,6 +6,7 @@ tests/test_kernel_properties.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -126,13 +127,15 @@ def test_mosaic_gpu_shapes(shape, dtype):
 
 @pytest.mark.parametrize("d_e, block, itemsize, tile", [
     (264, 256, 2, 144),   # configs/lm_paper.py:370m with FRAC: 288 rows, not 512
-    (248, 256, 2, 256), (256, 256, 2, 256), (512, 256, 2, 256), (300, 256, 4, 152),
-    (24, 16, 4, 16), (40, 256, 4, 40)])
+    (248, 256, 2, 248), (256, 256, 2, 256), (512, 256, 2, 256), (300, 256, 4, 152),
+    (24, 16, 4, 16), (24, 16, 2, 16), (40, 256, 2, 40), (24, 256, 2, 24)])
 def test_mosaic_table_tile_pads_less_than_a_tile(d_e, block, itemsize, tile):
-  """The TPU kernels' d_e tile: the fewest tiles of at most `block` rows, whole sublanes."""
+  """The TPU kernels' d_e tile: the fewest tiles of at most `block` rows; one tile is d_e in
+  whole 8 rows, several start at whole sublanes of the dtype (16 rows for bf16)."""
   got = tiles.mosaic_table_tile(d_e, block, itemsize)
   assert got == tile
-  assert got % (8 * (4 // itemsize)) == 0 or got == block
+  several = -(-d_e // got) > 1
+  assert got % (8 * (4 // itemsize) if several else 8) == 0 or got == block
   assert -(-d_e // got) * got - d_e < got
 
 
@@ -228,7 +231,7 @@ WS_CASES = [((2, 77, 2, 16, 3, 24), dict(MOSAIC_GPU_BLOCKS)),
 @needs_mosaic_gpu
 @pytest.mark.parametrize("case", range(len(WS_CASES)))
 def test_mosaic_gpu_warp_specialized_forward(case, monkeypatch):
-  """Forward and gradients (the backward is the one-warpgroup kernels') against the float32
+  """Forward and gradients (all three kernels warp-specialized) against the float32
   reference, races checked."""
   shape, blocks = WS_CASES[case]
   name = f"mosaic_gpu_ws{case}"
@@ -241,10 +244,23 @@ def test_mosaic_gpu_warp_specialized_forward(case, monkeypatch):
 @needs_mosaic_gpu
 @pytest.mark.parametrize("dtype, blocks, match", [
     (jnp.float32, dict(compute_wgs=2), "`compute_wgs=2` .* needs 16-bit inputs on Hopper"),
-    (jnp.bfloat16, dict(compute_wgs=3), "`compute_wgs` must be 1 or 2, got 3")])
+    (jnp.bfloat16, dict(compute_wgs=3), "`compute_wgs` must be 1 or 2, got 3"),
+    (jnp.bfloat16, dict(compute_wgs=2, num_stages=1), "needs `num_stages` >= 2 .* got 1")])
 def test_mosaic_gpu_compute_wgs_errors(dtype, blocks, match):
   with pytest.raises(ValueError, match=match):
     kernel.mhffn(*make_inputs(dtype), interpret=True, backend="mosaic_gpu", **blocks)
+
+
+def test_warp_specialized_tokens_pad_to_whole_ctas():
+  """block_q = 64 with block_q_dkv = 192: the tokens pad to a multiple of both 192 and a
+  CTA's 2 x 64 (384), so no token is left out of the forward and dq grids."""
+  from pallas_kernels.flash_ffn.blocks import BlockSizes
+  q = jax.ShapeDtypeStruct((1, 192, 1, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 2, 64, 64), jnp.bfloat16)
+  blocks = BlockSizes(block_q=64, block_inter=32, block_q_dkv=192, compute_wgs=2)
+  assert tiles.TilePlan.make("mosaic_gpu", blocks, q, k).tokens == 384
+  assert tiles.TilePlan.make("mosaic_gpu", dataclasses.replace(blocks, compute_wgs=1),
+                             q, k).tokens == 192
 
 
 @needs_mosaic_gpu

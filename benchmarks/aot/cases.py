@@ -103,8 +103,8 @@ OVERSIZED = {
 
 
 # Kernel bodies that are not a default, compiled for their generation beside the defaults:
-# FlashFFN's warp-specialized forward and dq/dr kernels (Hopper; `compute_wgs=2`) at the tuned
-# tiles and with 64-wide table tiles.
+# FlashFFN's warp-specialized kernels (Hopper; `compute_wgs=2`) at the tuned tiles and with
+# 64-wide table tiles.
 OPT_IN = {
     "hopper": [Case("flash_ffn", "370m", direction, "bfloat16", blocks, backend="mosaic_gpu")
                for direction in ("fwd", "grad")

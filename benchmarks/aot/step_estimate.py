@@ -128,7 +128,7 @@ def main(argv=None):
   out = pathlib.Path(args.out)
   rows = json.loads(out.read_text()) if out.exists() else []
   key = lambda r: (r["config"], r["mixer"], r["ffn"], r.get("context"), r.get("target"),
-                   r["batch"])
+                   r.get("chips"), r["batch"])
   rows = [r for r in rows if key(r) != key(row)] + [row]
   out.write_text(json.dumps(rows, indent=1) + "\n")
   return 1 if "error" in row else 0

@@ -209,8 +209,8 @@ def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **bl
     backend: force one lowering ("mosaic", "triton" or "mosaic_gpu", the last on jax >=
       0.11.2); with `interpret` this runs the other platform's kernel body on CPU.
     **block_sizes: overrides of `BlockSizes` fields (block_q, block_inter, block_q_dkv,
-      num_warps, num_warps_dkv, num_stages); the defaults come from `TUNED` for the chip
-      and dtype.
+      num_warps, num_warps_dkv, num_stages, compute_wgs); the defaults come from `TUNED` for
+      the chip and dtype.
 
   Returns:
     o: [B, L, H, d_h] in q.dtype; matmuls in the input dtype with float32 accumulation.

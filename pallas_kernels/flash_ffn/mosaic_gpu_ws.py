@@ -30,10 +30,12 @@ tokens), three warpgroups.
 - Approximate math (`approx_math=True`, these bodies only): the sigmoid is
   `tiles.tanh_sigmoid`, one `tanh.approx.f32` (MUFU.TANH) per element where the exact
   kernels spend an exp, a reciprocal and their refinement (`make sass`). PTX gives
-  tanh.approx.f32 a maximum error of about 2^-11, so silu(m) = m sigmoid(m) and its
-  derivative are off by at most ~|m| 2^-12: below the bf16 rounding (2^-9 relative) of the
-  operands the accumulating matmuls read. The interpreter computes the exact formula; the
-  GPU check (`benchmarks/gpu_flash_ffn.py`) holds the compiled bodies to the bf16 tolerance.
+  tanh.approx.f32 an error of about 2^-11, so sigmoid is off by ~2^-12 absolute, and silu(m)
+  = m sigmoid(m) and its derivative by ~|m| 2^-12: about the bf16 rounding (2^-9 relative)
+  of the operands the accumulating matmuls read where |silu(m)| is of the order of |m|, but
+  larger than it, relative to silu itself, for m <= -3 (silu(-8) = -0.003 is off by up to
+  ~70%), where the terms are small. The interpreter computes the exact formula; the GPU
+  check (`benchmarks/gpu_flash_ffn.py`) holds the compiled bodies to the bf16 tolerance.
 
 The Mosaic GPU interpreter runs WGMMA with A from shared memory only: there (and only there)
 the register operands go through buffers, so its tests check everything but the register
@@ -98,6 +100,8 @@ def _kernel(plan: TilePlan, layout, name: str, tokens, router, extra, outs, step
   chunks = plan.d_e // bi
   steps = plan.experts * chunks
   stages = min(plan.blocks.num_stages, steps)
+  # bi: the K extent of V's and the K / U halves' tiles as B operands (WGMMA wants K a
+  # multiple of the swizzle's width), and the interpreter's A buffers' minor dim
   transforms = smem_transforms(plgpu, dtype, d, bi)
   loads = len(tokens) + 1
 
@@ -297,15 +301,15 @@ def dkuv(plan: TilePlan, layout, q, r, ds, k, u, v, interpret):
   row [bk]) through `num_stages` slots. Consumer 0 accumulates dK and dU (it computes the
   three scores m = K q^T, n = U q^T, da = V ds^T and the gradients dm, dn); consumer 1
   accumulates dV (it computes m and n, and r a); both from registers as A. The one-warpgroup
-  kernel holds all three sums at once only where they fit its registers, else walks the
-  tokens twice; here each consumer holds its own: the same 8 matmul units per token tile,
-  the tokens read once."""
+  kernel holds all three sums at once only where they fit its registers (then 6 matmul
+  units per token tile), else walks the tokens twice (8); here each consumer holds its own:
+  8 units (m and n are computed by both), the tokens read once."""
   plgpu = mosaic_gpu_module()
   rows, bk, d = DKUV_ROWS, plan.blocks.block_q_dkv, plan.d_h
   dtype = q.dtype
   steps = plan.tokens // bk
   stages = min(plan.blocks.num_stages, steps)
-  transforms = smem_transforms(plgpu, dtype, d, bk)
+  transforms = smem_transforms(plgpu, dtype, d, bk)   # bk: the token tiles' K extent as B
 
   def kernel(q_ref, r_ref, ds_ref, k_ref, u_ref, v_ref, dk_ref, du_ref, dv_ref,
              tables, q_s, ds_s, r_s, out_s, table_bar, q_bar, ds_bar, r_bar, consumed, schedule,

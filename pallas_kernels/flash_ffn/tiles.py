@@ -20,6 +20,7 @@ Mosaic keeps tokens on the lane axis so the router can stay lane-dense.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -193,14 +194,15 @@ WS_MAX_D_H = 128
 
 
 def mosaic_table_tile(d_e: int, block: int, itemsize: int) -> int:
-  """The Mosaic kernels' d_e tile: d_e in the fewest tiles of at most `block` rows, each
-  rounded up to whole sublane rows of the compute dtype (8 for 4-byte, 16 for 2-byte
-  values), so that d_e pads by less than a tile of rows: d_e = 264 takes 2 tiles of 144
-  (288 rows) where tiles of 256 would pad it to 512 and double the work. `block` itself
-  when d_e is a multiple of it."""
-  sublanes = 8 * max(1, 4 // itemsize)
+  """The Mosaic kernels' d_e tile: d_e in the fewest tiles of at most `block` rows, so that
+  d_e pads by less than a tile: d_e = 264 takes 2 tiles of 144 (288 rows) where tiles of
+  256 would pad it to 512 and double the work. One tile is d_e rounded up to 8 rows; several
+  are rounded up to whole sublane rows of the compute dtype (8 for 4-byte, 16 for 2-byte
+  values: the tiles after the first start at multiples of it). `block` caps either."""
   tiles = -(-d_e // block)
-  return min(block, round_up(-(-d_e // tiles), sublanes))
+  if tiles == 1:
+    return min(block, round_up(d_e, 8))
+  return min(block, round_up(-(-d_e // tiles), 8 * max(1, 4 // itemsize)))
 
 
 def mosaic_vmem_bytes(experts: int, d_e: int, d_h: int, itemsize: int, bq: int, bk: int,
@@ -297,6 +299,9 @@ class TilePlan:
                          f"inputs on Hopper and d_h <= {WS_MAX_D_H} (two [64, d_h] float32 "
                          f"sums per consumer), got {jnp.dtype(q.dtype).name}, d_h = {d_h}"
                          f"{' on Blackwell' if blackwell() else ''}")
+      if blocks.compute_wgs == 2 and blocks.num_stages < 2:
+        raise ValueError(f"mhffn: `compute_wgs=2` needs `num_stages` >= 2 (a consumer releases "
+                         f"a step's slot one step late), got {blocks.num_stages}")
     else:
       if blocks.block_inter % 8:
         raise ValueError(f"mhffn: Mosaic block size `block_inter` must be a multiple of 8, "
@@ -311,10 +316,11 @@ class TilePlan:
       group = experts
     if backend != "mosaic_gpu":
       rows_dkuv = bi
-    # The warp-specialized forward's CTA holds compute_wgs token tiles.
-    tile = max(bq * (blocks.compute_wgs if backend == "mosaic_gpu" else 1), bk)
+    tile = max(bq, bk)
     if tile % bq or tile % bk:
       raise ValueError(f"mhffn: block_q ({bq}) and block_q_dkv ({bk}) must divide one another")
+    if backend == "mosaic_gpu":  # a warp-specialized CTA holds compute_wgs token tiles
+      tile = math.lcm(tile, bq * blocks.compute_wgs)
     return cls(dataclasses.replace(blocks, block_q=bq, block_inter=bi, block_q_dkv=bk), heads,
                round_up(tokens, tile), width, experts, experts_pad,
                round_up(d_e, rows_dkuv), rows_dkuv, group, flat,
