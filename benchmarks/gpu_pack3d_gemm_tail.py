@@ -49,8 +49,9 @@ def gemms(hlo: str) -> list[str]:
       config = re.search(r'"triton_gemm_config":(\{[^}]*\})', line)
       warps = re.search(r'"num_warps":"?(\d+)', line)
       stages = re.search(r'"num_stages":"?(\d+)', line)
+      result = re.match(r"\s*(?:ROOT )?%(\S+)", line).group(1)
       out.append(f"{kind.group(1) if kind else 'triton'} {[shapes.get(o.lstrip('%'), '?') for o in ops]}"
-                 f" -> {shapes.get(re.match(r'\s*(?:ROOT )?%(\S+)', line).group(1), '?')}"
+                 f" -> {shapes.get(result, '?')}"
                  f" block_k={','.join(block_k) or '?'} warps={warps.group(1) if warps else '?'}"
                  f" stages={stages.group(1) if stages else '?'}{' ' + config.group(1) if config else ''}")
   return out

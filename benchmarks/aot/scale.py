@@ -154,8 +154,8 @@ def main(argv=None):
         f"{gib(limit):.0f} GiB: {'fits' if total <= 0.9 * limit else 'does NOT fit'} with 10% "
         f"headroom")
   hlo = compiled.as_text()
-  print(f"  collectives: {collectives(hlo)}; Pallas kernel calls: "
-        f"{len(re.findall(r'custom_call_target="tpu_custom_call"', hlo))}")
+  kernel_calls = hlo.count('custom_call_target="tpu_custom_call"')
+  print(f"  collectives: {collectives(hlo)}; Pallas kernel calls: {kernel_calls}")
   if dump:
     print(f"  the {args.largest} largest slices of the temporaries (MiB: values' shapes):")
     for line in largest_slices(dump, args.largest):
