@@ -75,7 +75,7 @@ compile-check-gpu: setup $(AOT_GPU)
 
 # What the Mosaic GPU kernels compile to on Hopper, without a GPU: per main-loop iteration
 # HGMMA shapes, waits, shared-memory stores and fences, MUFU ops, spills; registers, CTAs
-# per SM and waves (benchmarks/aot/sass.py; ~2 min); rewrites the table in benchmarks/README.md.
+# per SM and waves (benchmarks/aot/sass.py; ~1 min); rewrites the table in benchmarks/README.md.
 # nvdisasm comes from NVIDIA's wheel, installed beside (not into) the GPU venv's packages:
 # jax would take that wheel's nvidia.cu13 folder, which has no ptxas, for its CUDA root.
 NVDISASM := nvidia-cuda-nvdisasm==13.5.37
