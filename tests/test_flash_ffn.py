@@ -219,17 +219,19 @@ def test_auto_picks_the_gpu_kernel_per_chip(device_kind, dtype, backend):
     assert kernel_checks.BACKEND_CALL[other] not in text
 
 
-# The warp-specialized forward (compute_wgs=2; bf16 only): two consumer warpgroups of
+# The warp-specialized kernels (compute_wgs=2; bf16 only): two consumer warpgroups of
 # block_q tokens per CTA and a producer streaming table tiles through num_stages slots. The
 # first shape's 154 tokens fill 2 CTAs (128 tokens each, one part padding) and walk 12 (e, c)
-# steps through 2 slots; d_h = 128 (flat layout) with 3 slots over 4 steps; one step, one slot.
+# steps through 2 slots; d_h = 128 (flat layout) with 3 slots over 4 steps; one step, one slot
+# (the last two `slow`: `make test` keeps within its 10 minutes).
 WS_CASES = [((2, 77, 2, 16, 3, 24), dict(MOSAIC_GPU_BLOCKS)),
             ((1, 70, 2, 128, 2, 40), dict(MOSAIC_GPU_BLOCKS, block_inter=32, num_stages=3)),
             ((1, 9, 1, 8, 1, 64), dict(MOSAIC_GPU_BLOCKS, block_inter=64))]
 
 
 @needs_mosaic_gpu
-@pytest.mark.parametrize("case", range(len(WS_CASES)))
+@pytest.mark.parametrize("case", [0] + [pytest.param(c, marks=pytest.mark.slow)
+                                      for c in range(1, len(WS_CASES))])
 def test_mosaic_gpu_warp_specialized_forward(case, monkeypatch):
   """Forward and gradients (all three kernels warp-specialized) against the float32
   reference, races checked."""
