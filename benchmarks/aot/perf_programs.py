@@ -229,6 +229,9 @@ def _lm_step_part(part: str, dtype, spec: dict) -> Program:
   and the loss picks each label's logit by a one-hot sum (`train.losses._per_position`
   replaced in this process; same matmuls and softmax). spec: config, mixer, ffn, context,
   batch (sequences per chip). FLOPs: 6 x the part's parameters x tokens."""
+  import functools
+  import types
+
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -271,8 +274,8 @@ def _lm_step_part(part: str, dtype, spec: dict) -> Program:
   losses._per_position = one_hot_pick
 
   def head(*a):
-    logits = lambda f: jnp.einsum("...d,dv->...v", f, a[n].astype(f.dtype),
-                                  preferred_element_type=jnp.float32)
+    # the model's own head (`LanguageModel.logits`) on the head weights passed in
+    logits = functools.partial(LanguageModel.logits, types.SimpleNamespace(head=a[n]))
     return chunked_cross_entropy(apply(a, a[k]), logits, a[-1], None)[0]
 
   return _with_grad(head, specs + [((b, l), jnp.int32)], k + 1, 2 * b * l * weights, "",

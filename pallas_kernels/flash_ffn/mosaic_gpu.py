@@ -140,11 +140,11 @@ def forward(plan: TilePlan, q, r, k, u, v, interpret):
 
 def backward(plan: TilePlan, q, r, r_dkuv, k, u, v, ds, interpret):
   del r_dkuv  # one router layout, [H, E, T], serves both kernels
-  plgpu = mosaic_gpu_module()
   if plan.blocks.compute_wgs == 2:
     layout = _Layout(plan.flat, plan.d_h)
     return (*mosaic_gpu_ws.dq_dr(plan, layout, q, r, ds, k, u, v, interpret),
             *mosaic_gpu_ws.dkuv(plan, layout, q, r, ds, k, u, v, interpret))
+  plgpu = mosaic_gpu_module()
   dq, dr = _dq_dr(plgpu, plan, q, r, ds, k, u, v, interpret)
   dk, du, dv = _dkuv(plgpu, plan, q, r, ds, k, u, v, interpret)
   return dq, dr, dk, du, dv

@@ -83,6 +83,42 @@ class _Step:
   operand: Callable
 
 
+def _turn(plgpu, schedule):
+  """This consumer's tensor-core turn ends and the other's begins (the schedule barrier)."""
+  plgpu.barrier_arrive(schedule)
+  plgpu.barrier_wait(schedule)
+
+
+def _release_previous(plgpu, consumed, n, stages: int):
+  """Step n - 1's slot back to the producer: its matmuls were left in flight until step n
+  read its scores (which waits for every WGMMA issued before)."""
+  @pl.when(n > 0)
+  def _():
+    plgpu.barrier_arrive(consumed.at[lax.rem(n + stages - 1, stages)])
+
+
+def _stream(plgpu, load, steps: int, stages: int, consumed):
+  """The producer's loop: load(n, slot) for steps 0..steps-1 through `stages` slots, each
+  slot refilled once both consumers have released its previous step."""
+  for n in range(stages):
+    load(n, n)
+
+  @pl.loop(0, steps - stages)
+  def _(n):
+    slot = lax.rem(n, stages)
+    plgpu.barrier_wait(consumed.at[slot])   # both consumers are done with step n
+    load(n + stages, slot)
+
+
+def _operand(plgpu, value, buf, dtype):
+  """A float32 register tile as WGMMA's A operand: from registers when compiled (buf None);
+  the interpreter runs WGMMA from shared memory only, so there through `buf`."""
+  if buf is None:
+    return value.astype(dtype)
+  store_operands(plgpu, [(buf, value)])
+  return buf
+
+
 def _kernel(plan: TilePlan, layout, name: str, tokens, router, extra, outs, step_fn, finish_fn,
             tables, interpret, operands: int):
   """The warp-specialized kernel over one head's (e, c) steps.
@@ -112,10 +148,7 @@ def _kernel(plan: TilePlan, layout, name: str, tokens, router, extra, outs, step
     a_s = bufs.pop() if interpret else None
     k_ref, u_ref, v_ref = ins[loads:]
     h, wg = lax.axis_index("h"), lax.axis_index("wg")
-
-    def turn():
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(schedule)
+    turn = lambda: _turn(plgpu, schedule)
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
@@ -130,26 +163,17 @@ def _kernel(plan: TilePlan, layout, name: str, tokens, router, extra, outs, step
         plgpu.barrier_wait(in_bar.at[j * CONSUMERS + wg])
       pl.when(wg == 1)(turn)   # warpgroup 0 takes the tensor cores first
 
-      def operand(value, j):
-        if a_s is None:
-          return value.astype(dtype)
-        store_operands(plgpu, [(a_s.at[wg, j], value)])
-        return a_s.at[wg, j]
+      operand = lambda value, j: _operand(plgpu, value,
+                                          None if a_s is None else a_s.at[wg, j], dtype)
 
       def run(acc):
         def step(n, _):
           slot = lax.rem(n, stages)
           plgpu.barrier_wait(k_bar.at[slot])
           plgpu.barrier_wait(u_bar.at[slot])
-
-          def release_previous():
-            @pl.when(n > 0)
-            def _():
-              plgpu.barrier_arrive(consumed.at[lax.rem(n + stages - 1, stages)])
-
           step_fn(_Step(ku_s.at[slot], v_s.at[slot], lax.div(n, chunks), lax.rem(n, chunks),
                         wait_v=lambda: plgpu.barrier_wait(v_bar.at[slot]), turn=turn,
-                        release_previous=release_previous,
+                        release_previous=lambda: _release_previous(plgpu, consumed, n, stages),
                         handoff=lambda: plgpu.barrier_arrive(schedule),
                         take=lambda: plgpu.barrier_wait(schedule), operand=operand),
                   acc, mine)
@@ -171,14 +195,7 @@ def _kernel(plan: TilePlan, layout, name: str, tokens, router, extra, outs, step
         for ref, buf, row, bar in streams:
           plgpu.copy_gmem_to_smem(ref.at[h, e, rows], buf.at[slot, pl.ds(row, bi)], bar.at[slot])
 
-      for n in range(stages):
-        load(n, n)
-
-      @pl.loop(0, steps - stages)
-      def _(n):
-        slot = lax.rem(n, stages)
-        plgpu.barrier_wait(consumed.at[slot])   # both consumers are done with step n
-        load(n + stages, slot)
+      _stream(plgpu, load, steps, stages, consumed)
 
   slots = lambda: plgpu.Barrier(num_barriers=stages)
   tiles = lambda *shape: plgpu.SMEM(shape, dtype, transforms=transforms)
@@ -317,16 +334,8 @@ def dkuv(plan: TilePlan, layout, q, r, ds, k, u, v, interpret):
     h, e, c, wg = (lax.axis_index(n) for n in ("h", "e", "c", "wg"))
     table_rows = pl.ds(c * rows, rows)
     k_s, u_s, v_s = (tables.at[j] for j in range(3))
-
-    def turn():
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(schedule)
-
-    def operand(value, j):
-      if not a_s:
-        return value.astype(dtype)
-      store_operands(plgpu, [(a_s[0].at[j], value)])
-      return a_s[0].at[j]
+    turn = lambda: _turn(plgpu, schedule)
+    operand = lambda value, j: _operand(plgpu, value, a_s[0].at[j] if a_s else None, dtype)
 
     def consume(grads):
       """The loop of consumer `wg`: grads are its accumulators (dK, dU or dV)."""
@@ -348,10 +357,7 @@ def dkuv(plan: TilePlan, layout, q, r, ds, k, u, v, interpret):
           return tuple(acc[...] for acc in accs)   # waits for step n - 1's sums too
 
         products = pl.run_scoped(scores, *(plgpu.ACC((rows, bk), _F32) for _ in pairs))
-
-        @pl.when(n > 0)
-        def _():
-          plgpu.barrier_arrive(consumed.at[lax.rem(n + stages - 1, stages)])
+        _release_previous(plgpu, consumed, n, stages)
 
         r_e = lax.broadcast_in_dim(r_s[slot], (rows, bk), [1])
         if len(grads) == 2:   # dK += dm q, dU += dn q
@@ -359,8 +365,7 @@ def dkuv(plan: TilePlan, layout, q, r, ds, k, u, v, interpret):
           terms = [(dm, q_t), (dn, q_t)]
         else:                 # dV += (r a) ds
           terms = [(weighted_activation(*products, r_e, sigmoid=tanh_sigmoid), ds_t)]
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(schedule)
+        turn()   # tile math done; the tensor cores are this consumer's again
         for j, (acc, (lhs, rhs)) in enumerate(zip(grads, terms)):
           plgpu.wgmma(acc, operand(lhs, wg * 2 + j), rhs)   # left in flight
 
@@ -401,14 +406,7 @@ def dkuv(plan: TilePlan, layout, q, r, ds, k, u, v, interpret):
                                 ds_bar.at[slot])
         plgpu.copy_gmem_to_smem(r_ref.at[h, e, t], r_s.at[slot], r_bar.at[slot])
 
-      for n in range(stages):
-        load(n, n)
-
-      @pl.loop(0, steps - stages)
-      def _(n):
-        slot = lax.rem(n, stages)
-        plgpu.barrier_wait(consumed.at[slot])
-        load(n + stages, slot)
+      _stream(plgpu, load, steps, stages, consumed)
 
   tiles = lambda *shape, dt=dtype: plgpu.SMEM(shape, dt, transforms=transforms)
   slots = lambda: plgpu.Barrier(num_barriers=stages)
