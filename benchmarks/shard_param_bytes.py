@@ -3,8 +3,8 @@
   python -m benchmarks.shard_param_bytes
 
 Under a mesh the kernel layers run inside jax.shard_map (models.partitioning.shard_layer), where
-each parameter enters split over "tensor" along its head dimensions (HEAD_AXES) and whole
-otherwise. Shapes only (nnx.eval_shape of the lm_default and seg3d_cells models); "whole" is
+each parameter, once gathered, is split over "tensor" along its head dimensions (HEAD_AXES) and
+whole otherwise. Shapes only (nnx.eval_shape of the lm_default and seg3d_cells models); "whole" is
 what a device would hold if the layer's parameters entered replicated.
 """
 

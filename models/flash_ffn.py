@@ -160,17 +160,19 @@ class FlashFFN(nnx.Module):
       gate_up = down = jax.nn.initializers.normal(0.02)
     # logical axes (models.partitioning): the H d_h columns of W_in / rows of W_out and the
     # leading H of the per-head tables are heads (split over "tensor"), the rest over "fsdp"
-    self.w_in = param(w_init(rngs.params(), (d_model, d_model), param_dtype), "embed", "heads")
+    self.w_in = param(w_init(rngs.params(), (d_model, d_model), param_dtype), "embed", "heads",
+                      cast=True)
     self.norm_gain = (scale(jnp.ones((num_heads, d_h), param_dtype), "heads", "head_dim")
                       if head_norm else None)
     self.router = param(jax.nn.initializers.truncated_normal(0.02)(
         rngs.params(), (num_heads, d_h, num_experts), param_dtype), "heads", "head_dim", None)
     shape = (num_heads, num_experts, d_expert, d_h)
-    table_axes = ("heads", None, "expert_mlp", None)
-    self.k = param(gate_up(rngs.params(), shape, param_dtype), *table_axes)
-    self.u = param(gate_up(rngs.params(), shape, param_dtype), *table_axes)
-    self.v = param(down(rngs.params(), shape, param_dtype), *table_axes)
-    self.w_out = param(w_init(rngs.params(), (d_model, d_model), param_dtype), "heads", "embed")
+    table_axes = ("heads", None, "expert_mlp", "head_dim")
+    self.k = param(gate_up(rngs.params(), shape, param_dtype), *table_axes, cast=True)
+    self.u = param(gate_up(rngs.params(), shape, param_dtype), *table_axes, cast=True)
+    self.v = param(down(rngs.params(), shape, param_dtype), *table_axes, cast=True)
+    self.w_out = param(w_init(rngs.params(), (d_model, d_model), param_dtype), "heads", "embed",
+                       cast=True)
 
   def __call__(self, x):
     """x [..., d] -> [..., d] in the compute dtype, as SwiGLU: every token on its own.

@@ -147,15 +147,15 @@ class FRACMixer(nnx.Module):
     fused = lecun(rngs.params(), (d_model, 2 * d_inner + 2 * state_dim + num_heads),
                   param_dtype)
     zx, bc, dt_w = jnp.split(fused, [2 * d_inner, 2 * d_inner + 2 * state_dim], axis=1)
-    self.in_proj = param(zx.reshape(d_model, 2, d_inner), "embed", None, "heads")
-    self.bc_proj = param(bc, "embed", "mlp")
-    self.dt_proj = param(dt_w, "embed", "heads") if selective_dt else None
+    self.in_proj = param(zx.reshape(d_model, 2, d_inner), "embed", None, "heads", cast=True)
+    self.bc_proj = param(bc, "embed", "mlp", cast=True)
+    self.dt_proj = param(dt_w, "embed", "heads", cast=True) if selective_dt else None
     conv = jax.random.uniform(rngs.params(), (conv_width, d_inner + 2 * state_dim),
                               param_dtype, -1.0, 1.0) / math.sqrt(conv_width)
-    self.conv_weight = param(conv[:, :d_inner], None, "head_channels")
-    self.conv_bias = param(jnp.zeros((d_inner,), param_dtype), "head_channels")
-    self.bc_conv_weight = param(conv[:, d_inner:], None, "channels")
-    self.bc_conv_bias = param(jnp.zeros((2 * state_dim,), param_dtype), "channels")
+    self.conv_weight = param(conv[:, :d_inner], None, "head_channels", cast=True)
+    self.conv_bias = param(jnp.zeros((d_inner,), param_dtype), "head_channels", cast=True)
+    self.bc_conv_weight = param(conv[:, d_inner:], None, "channels", cast=True)
+    self.bc_conv_bias = param(jnp.zeros((2 * state_dim,), param_dtype), "channels", cast=True)
     dt = jnp.exp(jax.random.uniform(rngs.params(), (num_heads,), _F32, math.log(0.5),
                                     math.log(2.0)))
     if init == "mamba_ssm":
@@ -186,7 +186,7 @@ class FRACMixer(nnx.Module):
     self.skip = param(jnp.ones((num_heads,), param_dtype), "heads")
     self.norm_gain = param(jnp.ones((d_inner,), param_dtype), "head_channels")
     self.out_proj = param(lecun(rngs.params(), (d_inner, d_model), param_dtype),
-                          "heads", "embed")
+                          "heads", "embed", cast=True)
 
   # --------------------------------------------------------------------------- pieces
   # Head counts below come from the parameters' shapes, not `num_heads`: under

@@ -136,13 +136,14 @@ class Pack3DAttention(nnx.Module):
     # ("heads", split over "tensor"; drawn as one [d, 3d] matrix), w_out's rows are the H d_h
     # head channels ("heads")
     self.w_qkv = param(xavier(rngs.params(), (d_model, 3 * d_model), param_dtype).reshape(
-        d_model, 3, d_model), "embed", None, "heads")
-    self.w_out = param(xavier(rngs.params(), (d_model, d_model), param_dtype), "heads", "embed")
+        d_model, 3, d_model), "embed", None, "heads", cast=True)
+    self.w_out = param(xavier(rngs.params(), (d_model, d_model), param_dtype), "heads", "embed",
+                       cast=True)
     self.pos_embedding = (param(jax.nn.initializers.normal(0.02)(
-        rngs.params(), (max_len, d_model), param_dtype), None, "embed")
+        rngs.params(), (max_len, d_model), param_dtype), None, "embed", cast=True)
         if position == "learned_packed" else None)
     self.w_gate = (param(xavier(rngs.params(), (d_model, 2 * num_heads), param_dtype),
-                         "embed", "heads") if merge == "gated" else None)
+                         "embed", "heads", cast=True) if merge == "gated" else None)
     self.far_offset = (param(jnp.zeros((num_heads,), param_dtype), "heads")
                        if far_offset else None)
 

@@ -19,11 +19,14 @@ A dimension that the mapped mesh axes do not divide, or whose mesh axis an earli
 already uses, stays replicated, so any shape is legal. Parameters without names are replicated.
 
 Pallas kernels cannot be auto-partitioned, so layers that call one run through `shard_layer`:
-under `jax.shard_map` with the batch split over ("data", "fsdp") and every parameter split over
-"tensor" along its head dimensions ("heads", "head_channels"), so the kernels of FlashFFN, FRAC
-and Pack3D run on the local heads; their outputs are sums of per-head terms, added up after the
-map. Parameters without a head dimension (FRAC's B, C projection, shared by the heads) enter
-whole.
+under `jax.shard_map` with the batch split over ("data", "fsdp"), so the kernels of FlashFFN,
+FRAC and Pack3D run on the local heads and batch; their outputs are sums of per-head terms,
+added up after the map. Every parameter enters the map in its own layout and is gathered
+inside it, over every mesh axis but "tensor" on its head dimensions ("heads",
+"head_channels"); one marked `cast` (a weight the layer reads in its compute dtype) is cast
+before it is gathered, so in bf16 the gather moves and holds half the bytes. Gathered inside
+the (rematerialised) block, a layer's whole weights live only while it runs, and their
+gradients leave the map reduce-scattered.
 With no mesh in context (`jax.set_mesh`) every helper here is the identity.
 """
 
@@ -69,9 +72,12 @@ def spec_for(names: Sequence[str | None], shape: Sequence[int], mesh) -> P:
   return P(*spec)
 
 
-def param(value: jax.Array, *names: str | None) -> nnx.Param:
+def param(value: jax.Array, *names: str | None, cast: bool = False) -> nnx.Param:
   """nnx.Param carrying its logical axis `names` (one per dimension) as `out_sharding` metadata,
   the metadata `nnx.with_partitioning` sets (read back by `nnx.get_partition_spec`).
+
+  `cast=True` marks a weight that its layer reads in the layer's compute dtype (it casts it
+  before every use): `shard_layer` then casts it before gathering it.
 
   The names are logical, so flax's eager sharding is off for them (`eager_sharding=False`): the
   layer builds the same with or without a mesh, and `train.sharding.init_sharded` maps the
@@ -79,7 +85,10 @@ def param(value: jax.Array, *names: str | None) -> nnx.Param:
   """
   if len(names) != jnp.ndim(value):
     raise ValueError(f"logical axes {names} do not match shape {jnp.shape(value)}")
-  return nnx.Param(value, **axes_metadata(*names))
+  variable = nnx.Param(value, **axes_metadata(*names))
+  if cast:
+    variable.set_metadata("cast", True)
+  return variable
 
 
 def scale(value: jax.Array, *names: str | None) -> nnx.Param:
@@ -130,12 +139,45 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 HEAD_AXES = ("heads", "head_channels")
 
 
-def _heads_spec(variable: nnx.Variable, tensor: int) -> P | None:
-  """P with "tensor" on the head dimensions (HEAD_AXES; None if one is not divisible)."""
+def _axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _splits_heads(variable: nnx.Variable, tensor: int) -> bool:
+  """Whether "tensor" divides every head dimension (HEAD_AXES) of `variable`."""
+  return all(size % tensor == 0 for n, size in zip(logical_axes(variable), variable.shape)
+             if n in HEAD_AXES)
+
+
+def _entry_layout(variable: nnx.Variable, mesh, local_heads: bool) -> tuple[P, P]:
+  """(spec it enters shard_map with, spec it keeps inside) for a parameter of `shard_layer`.
+
+  It enters in its own layout (`spec_for`), and inside is gathered over all of it but, with
+  `local_heads`, "tensor" on its head dimensions (which it then must carry: a head dimension
+  that "head_channels" leaves whole because fsdp x tensor does not divide it enters split over
+  "tensor" alone, a slice of the whole)."""
   names = logical_axes(variable)
-  if any(n in HEAD_AXES and size % tensor for n, size in zip(names, variable.shape)):
-    return None
-  return P(*("tensor" if n in HEAD_AXES else None for n in names))
+  enter = list(spec_for(names, variable.shape, mesh))
+  keep = [None] * len(names)
+  if local_heads:
+    for i, name in enumerate(names):
+      if name in HEAD_AXES:
+        if "tensor" not in _axes(enter[i]):
+          enter[i] = "tensor"
+        keep[i] = "tensor"
+  return P(*enter), P(*keep)
+
+
+def _gather(value: jax.Array, enter: P, keep: P) -> jax.Array:
+  """Inside shard_map: the local block of a parameter laid out as `enter`, gathered over every
+  mesh axis of it that `keep` does not name. A dimension split over several axes is gathered
+  over them in the spec's order, which is the order of its blocks (major axis first)."""
+  for dim, (entered, kept) in enumerate(zip(enter, keep)):
+    axes = tuple(a for a in _axes(entered) if a not in _axes(kept))
+    if axes:
+      value = jax.lax.all_gather(value, axes, axis=dim, tiled=True)
+  return value
 
 
 def psum_heads(x: jax.Array) -> jax.Array:
@@ -152,14 +194,17 @@ def shard_layer(layer: nnx.Module, x: jax.Array, *extra: jax.Array, split_seq: b
                 split_heads: bool = False):
   """layer(x, *extra) under jax.shard_map when a mesh is active (for Pallas-kernel layers).
 
-  x [B, L, ...] and every `extra` [B, ...] are split over BATCH_AXES along B. With
-  `split_heads` (layers whose parameters name their head dimensions (HEAD_AXES) in head-major
-  blocks, and whose output is the sum of per-head terms: FlashFFN, FRAC, Pack3D), every
-  parameter enters split over "tensor" along its head dimensions, so the layer and its kernel
-  run on the local heads (a layer reads its local head count from its parameters' shapes);
-  the per-device partial outputs are summed after the map. Otherwise (or when "tensor" does not
-  divide the heads) parameters enter replicated, and with `split_seq` (token-wise layers only)
-  x is also split over "tensor" along L. The output has x's layout.
+  x [B, L, ...] and every `extra` [B, ...] are split over BATCH_AXES along B. Every parameter
+  enters in its own layout and is gathered inside the map (after a cast to the layer's compute
+  dtype, `layer.dtype` or x's, if marked `cast`); the gathers' transposes reduce-scatter the
+  gradients, a cast weight's in the compute dtype (as XLA's partitioner reduces the bf16
+  gradients of the weights it gathers for the attention and SwiGLU layers). With `split_heads` (layers whose parameters name their head dimensions
+  (HEAD_AXES) in head-major blocks, and whose output is the sum of per-head terms: FlashFFN,
+  FRAC, Pack3D), the head dimensions stay split over "tensor", so the layer and its kernel run
+  on the local heads (a layer reads its local head count from its parameters' shapes); the
+  per-device partial outputs are summed after the map. Otherwise (or when "tensor" does not
+  divide the heads) parameters are gathered whole, and with `split_seq` (token-wise layers
+  only) x is also split over "tensor" along L. The output has x's layout.
   """
   mesh = _active_mesh()
   if mesh is None:
@@ -167,24 +212,27 @@ def shard_layer(layer: nnx.Module, x: jax.Array, *extra: jax.Array, split_seq: b
   graphdef, state = nnx.split(layer)
   x_spec = spec_for(("batch", "seq") + (None,) * (x.ndim - 2), x.shape, mesh)
   extra_specs = tuple(P(x_spec[0]) for _ in extra)
-
-  def run(state, x, *extra):
-    return nnx.merge(graphdef, state)(x, *extra)
-
   tensor = mesh.shape["tensor"]
   is_var = lambda v: isinstance(v, nnx.Variable)
-  if split_heads and tensor > 1:
-    specs = jax.tree.map(lambda v: _heads_spec(v, tensor), state, is_leaf=is_var)
-    # None (a head dimension "tensor" does not divide) is an empty subtree to jax.tree.leaves
-    # unless asked for as a leaf
-    if None not in jax.tree.leaves(specs, is_leaf=lambda s: s is None):
-      state_specs = jax.tree.map(lambda v, s: v.replace(s), state, specs, is_leaf=is_var)
-      # [tensor, B, L, ...] partial sums, one per head group, added up outside the map (with
-      # check_vma=False a psum inside would be transposed to a second psum)
-      partial = jax.shard_map(lambda *a: run(*a)[None], in_specs=(state_specs, x_spec)
-                              + extra_specs, out_specs=P("tensor", *x_spec), check_vma=False)
-      return partial(state, x, *extra).sum(0)
+  variables, treedef = jax.tree.flatten(state, is_leaf=is_var)
+  local_heads = split_heads and tensor > 1 and all(_splits_heads(v, tensor) for v in variables)
+  layouts = [_entry_layout(v, mesh, local_heads) for v in variables]
+  dtype = getattr(layer, "dtype", None) or x.dtype
+
+  def run(state, x, *extra):
+    local = jax.tree.leaves(state, is_leaf=is_var)
+    whole = [v.replace(_gather(v[...].astype(dtype) if v.get_metadata("cast", False)
+                               else v[...], *layout)) for v, layout in zip(local, layouts)]
+    return nnx.merge(graphdef, treedef.unflatten(whole))(x, *extra)
+
+  state_specs = treedef.unflatten([v.replace(enter) for v, (enter, _) in zip(variables, layouts)])
+  if local_heads:
+    # [tensor, B, L, ...] partial sums, one per head group, added up outside the map (with
+    # check_vma=False a psum inside would be transposed to a second psum)
+    partial = jax.shard_map(lambda *a: run(*a)[None], in_specs=(state_specs, x_spec)
+                            + extra_specs, out_specs=P("tensor", *x_spec), check_vma=False)
+    return partial(state, x, *extra).sum(0)
   if split_seq and x.shape[1] % tensor == 0:
     x_spec = P(x_spec[0], "tensor", *x_spec[2:])
-  return jax.shard_map(run, in_specs=(P(), x_spec) + extra_specs, out_specs=x_spec,
+  return jax.shard_map(run, in_specs=(state_specs, x_spec) + extra_specs, out_specs=x_spec,
                        check_vma=False)(state, x, *extra)

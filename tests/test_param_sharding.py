@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from configs import lm_smoke
 from models import LanguageModel, Pack3DSegmenter, UNet3D
+from models import partitioning
 from models.partitioning import logical_axes
 from train import lm_task, optim, sharding, trainer
 from train.metrics import read_metrics
@@ -249,3 +251,61 @@ def test_flashffn_casts_its_tables_before_the_op_only_where_they_are_split(monke
     run(layer, x)
   assert seen == [{jnp.dtype(jnp.float32)}, {jnp.dtype(jnp.bfloat16)}]
 
+
+
+def _all_gathers(jaxpr) -> list:
+  """(dtype, input shape, axes) of every all_gather in a jaxpr, its sub-jaxprs included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "all_gather":
+      aval = eqn.invars[0].aval
+      found.append((aval.dtype, aval.shape, eqn.params["axis_name"]))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          found += _all_gathers(inner)
+  return found
+
+
+def test_kernel_layers_gather_their_weights_inside_the_map_in_the_compute_dtype(monkeypatch):
+  """Under the 2x2x2 mesh a FlashFFN on its kernel path (shard_layer) gets its parameters in
+  their fsdp layout and gathers them inside the map: the tables and W_in / W_out (marked
+  `cast`) in bf16, the router and norm gain (read in float32) as stored. The op then sees its
+  local head's tables whole, in bf16. (A gather left to the partitioner at the map's boundary
+  moves and holds them in float32, whole, for many layers at once: benchmarks/README.md.)"""
+  from models import FlashFFN
+  from pallas_kernels import flash_ffn
+  seen = []
+  original = flash_ffn.mhffn_routed
+  monkeypatch.setattr(flash_ffn, "mhffn_routed", lambda q, router, k, *a, **kw: seen.append(
+      (k.dtype, k.shape)) or original(q, router, k, *a, **kw))
+  layer = FlashFFN(32, 2, 2, 16, impl="pallas", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  x = jnp.ones((4, 8, 32), jnp.bfloat16)
+  loss = lambda m, x: jnp.sum(partitioning.shard_layer(m, x, split_heads=True)
+                              .astype(jnp.float32) ** 2)
+  with jax.set_mesh(sharding.make_mesh(MESH)):
+    graphdef, state = nnx.split(layer)
+    jaxpr = jax.make_jaxpr(lambda s, x: jax.grad(lambda s: loss(nnx.merge(graphdef, s), x))(s))(
+        state, x)
+  gathers = _all_gathers(jaxpr.jaxpr)
+  assert seen and all(s == (jnp.dtype(jnp.bfloat16), (1, 2, 16, 16)) for s in seen), seen
+  # tables [H / tensor, E, d_e / fsdp, d_h]; W_in [d / fsdp, H d_h / tensor], W_out transposed
+  bf16 = sorted((shape, axes) for dtype, shape, axes in gathers if dtype == jnp.bfloat16)
+  assert bf16 == sorted([((1, 2, 8, 16), ("fsdp",))] * 3 + [((16, 16), ("fsdp",))]
+                        + [((16, 16), ("fsdp",))]), gathers
+  f32 = sorted((shape, axes) for dtype, shape, axes in gathers if dtype == jnp.float32)
+  assert f32 == [((1, 8), ("fsdp",)), ((1, 8, 2), ("fsdp",))], gathers
+
+
+def test_flashffn_tables_split_over_their_head_width_when_fsdp_does_not_divide_d_e():
+  """The tables [H, E, d_e, d_h] are split over fsdp along d_e, or along d_h where fsdp does
+  not divide d_e (the 370M FRAC LM's d_e = 264 on 16 chips), never left whole on every chip
+  (with their AdamW moments: 2.1 GiB per chip there, benchmarks/README.md)."""
+  from models import FlashFFN
+  mesh = jax.sharding.AbstractMesh((1, 16, 1), partitioning.MESH_AXES)
+  for d_e, expected in ((256, P("tensor", None, "fsdp", None)),
+                        (264, P("tensor", None, None, "fsdp"))):
+    layer = nnx.eval_shape(lambda: FlashFFN(1024, 8, 9, d_e, rngs=nnx.Rngs(0)))
+    for table in (layer.k, layer.u, layer.v):
+      assert partitioning.spec_for(logical_axes(table), table.shape, mesh) == expected

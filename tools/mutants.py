@@ -43,6 +43,7 @@ LM = "tests/test_lm.py"
 P3L = "tests/test_pack3d_layer.py"
 SEG = "tests/test_seg3d.py"
 TS = "tests/test_trainer_semantics.py"
+PS = "tests/test_param_sharding.py"
 P3I = "tests/test_pack3d_independent.py"
 KP = "tests/test_kernel_properties.py"
 P3K = "tests/test_pack3d_levels_kernels.py"
@@ -329,9 +330,25 @@ MUTANTS = [
       "tests/test_param_sharding.py::"
       "test_parameters_created_sharded_and_held_once_per_fsdp_tensor_group"),
     m("kernel_heads_not_split", "models/partitioning.py",
-      'return P(*("tensor" if n in HEAD_AXES else None for n in names))',
-      "return P(*(None for n in names))",
+      'keep[i] = "tensor"', "keep[i] = None",
       "tests/test_param_sharding.py::test_kernels_run_on_local_heads_under_shard_map"),
+    m("kernel_params_enter_replicated", "models/partitioning.py",
+      "enter = list(spec_for(names, variable.shape, mesh))", "enter = [None] * len(names)",
+      f"{PS}::test_kernel_layers_gather_their_weights_inside_the_map_in_the_compute_dtype"),
+    m("kernel_params_cast_after_gather", "models/partitioning.py",
+      """_gather(v[...].astype(dtype) if v.get_metadata("cast", False)
+                               else v[...], *layout)""",
+      """_gather(v[...], *layout).astype(dtype if v.get_metadata("cast", False)
+                                                  else v[...].dtype)""",
+      f"{PS}::test_kernel_layers_gather_their_weights_inside_the_map_in_the_compute_dtype"),
+    m("flashffn_table_not_cast", "models/flash_ffn.py",
+      "self.k = param(gate_up(rngs.params(), shape, param_dtype), *table_axes, cast=True)",
+      "self.k = param(gate_up(rngs.params(), shape, param_dtype), *table_axes)",
+      f"{PS}::test_kernel_layers_gather_their_weights_inside_the_map_in_the_compute_dtype"),
+    m("flashffn_tables_without_fallback_axis", "models/flash_ffn.py",
+      'table_axes = ("heads", None, "expert_mlp", "head_dim")',
+      'table_axes = ("heads", None, "expert_mlp", None)',
+      f"{PS}::test_flashffn_tables_split_over_their_head_width_when_fsdp_does_not_divide_d_e"),
     m("frac_norm_local_heads_only", "models/partitioning.py",
       'return jax.lax.psum(x, "tensor")', "return x",
       "tests/test_param_sharding.py::test_kernels_run_on_local_heads_under_shard_map"),
@@ -633,8 +650,11 @@ MUTANTS = [
       "  tiles = -(-d_e // block)\n", "  tiles = 1\n",
       f"{FFN}::test_mosaic_table_tile_pads_less_than_a_tile"),
     m("step_estimate_one_block_short", "benchmarks/aot/step_estimate.py",
-      'compute = seconds["head"] + facts["layers"] * seconds["block"]',
-      'compute = seconds["head"] + (facts["layers"] - 1) * seconds["block"]',
+      'compute = seconds["head"] + facts["layers"] * block',
+      'compute = seconds["head"] + (facts["layers"] - 1) * block',
+      "tests/test_step_estimate.py::test_step_is_the_sum_of_its_parts"),
+    m("step_estimate_remat_forward_uncounted", "benchmarks/aot/step_estimate.py",
+      'forwards = 2 if facts["remat"] else 1', "forwards = 1",
       "tests/test_step_estimate.py::test_step_is_the_sum_of_its_parts"),
     m("step_estimate_gradients_not_scattered", "benchmarks/aot/step_estimate.py",
       "collectives = 3 * 4 * facts", "collectives = 2 * 4 * facts",
