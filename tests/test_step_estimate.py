@@ -1,6 +1,6 @@
 """benchmarks/aot/step_estimate.py: a train step as the sum of its single-chip parts, on made-up
-part estimates (no compile): the arithmetic of compute, AdamW, the collectives model, MFU, and
-the FLOP-floor check."""
+part estimates (no compile): the arithmetic of compute (a block from its halves' forwards and
+backwards under remat), AdamW, the collectives model, MFU, and the FLOP-floor check."""
 
 import pytest
 
@@ -15,10 +15,17 @@ def test_step_is_the_sum_of_its_parts():
   facts = step_estimate.model_facts(SPEC)
   assert facts["layers"] == 12 and facts["context"] == 4096
   assert 0.98 * 135e6 < facts["params"] < 1.02 * 135e6
-  parts = {"block": dict(status="ok", cycles=3_000_000, flops=1e9),
-           "head": dict(status="ok", cycles=1_500_000, flops=1e9)}
+  assert facts["remat"]
+  cycles = {"mixer/fwd": 500_000, "mixer/bwd": 900_000, "ffn/fwd": 300_000,
+            "ffn/bwd": 700_000, "head": 1_500_000}
+  parts = {k: dict(status="ok", cycles=c, flops=1e9) for k, c in cycles.items()}
+  assert set(parts) == set(step_estimate.PARTS)
   row = step_estimate.estimate(SPEC, "tpu-v5e", 16, parts)
-  compute = (12 * 3_000_000 + 1_500_000) / chip.clock_hz
+  # per half: the forward twice (remat recomputes it) and the backward once
+  block = 2 * 500_000 + 900_000 + 2 * 300_000 + 700_000
+  assert row["block_ms"] == pytest.approx(block / chip.clock_hz * 1e3)
+  assert row["ffn_ms"] == pytest.approx((2 * 300_000 + 700_000) / chip.clock_hz * 1e3)
+  compute = (12 * block + 1_500_000) / chip.clock_hz
   optimizer = 28 * facts["params"] / 16 / chip.hbm_bytes_per_s
   collectives = 12 * facts["params"] * 15 / 16 / (1600e9 / 8)
   assert row["compute_ms"] == pytest.approx(compute * 1e3)
@@ -36,15 +43,27 @@ def test_step_is_the_sum_of_its_parts():
 def test_a_part_faster_than_its_flop_floor_is_flagged():
   chip = perf.CHIPS["tpu-v5e"]
   floor_cycles = 1e12 / chip.flops_per_cycle
-  parts = {"block": dict(status="ok", cycles=floor_cycles / 2, flops=1e12),
-           "head": dict(status="ok", cycles=floor_cycles, flops=1e12)}
+  parts = {k: dict(status="ok", cycles=floor_cycles, flops=1e12) for k in step_estimate.PARTS}
+  parts["ffn/bwd"]["cycles"] = floor_cycles / 2
   row = step_estimate.estimate(SPEC, "tpu-v5e", 16, parts)
-  assert len(row["untrusted"]) == 1 and row["untrusted"][0].startswith("block")
-  assert "untrusted: block" in step_estimate.line(dict(row, context=4096))
+  assert len(row["untrusted"]) == 1 and row["untrusted"][0].startswith("ffn/bwd")
+  assert "untrusted: ffn/bwd" in step_estimate.line(dict(row, context=4096))
 
 
 def test_a_failed_part_is_the_rows_error():
-  parts = {"block": dict(status="crashed", error="libtpu aborted"),
-           "head": dict(status="ok", cycles=1, flops=1)}
+  parts = {k: dict(status="ok", cycles=1, flops=1) for k in step_estimate.PARTS}
+  parts["mixer/bwd"] = dict(status="crashed", error="libtpu aborted")
   row = step_estimate.estimate(SPEC, "tpu-v5e", 16, parts)
-  assert row["error"].startswith("block: crashed: libtpu aborted")
+  assert row["error"].startswith("mixer/bwd: crashed: libtpu aborted")
+
+
+def test_the_profiled_log_gamma_matches_jax():
+  """The gather-free log-gamma the FRAC step parts are profiled with (perf_programs) is jax's
+  on the exponents FRAC takes it of, alpha and alpha + 1 in (0, 2]."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from benchmarks.aot.perf_programs import _stirling_gammaln
+  x = jnp.linspace(0.01, 2.0, 500, dtype=jnp.float32)
+  np.testing.assert_allclose(_stirling_gammaln(x), jax.scipy.special.gammaln(x), atol=3e-6)

@@ -45,10 +45,19 @@ def _nbytes(specs) -> int:
 def _with_grad(fn, specs, num_diff: int, flops: int, kernel: str, direction: str) -> Program:
   """The forward, or forward + the VJP of the first `num_diff` arguments (cotangent = the
   output, so nothing is left for XLA to prune); FLOPs x3 and bytes x3 for fwd+bwd (the
-  backward reads the inputs and the cotangent, writes a gradient per input)."""
+  backward reads the inputs and the cotangent, writes a gradient per input). "bwd": the VJP
+  alone, its arguments the forward's residuals and the cotangent (FLOPs x2)."""
   import jax
   if direction == "fwd":
     return Program(fn, specs, flops, _nbytes(specs), kernel)
+  if direction == "bwd":
+    structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs]
+    pullback = lambda *a: jax.vjp(lambda *d: fn(*d, *a[num_diff:]), *a[:num_diff])
+    out, vjp = jax.eval_shape(pullback, *structs)
+    residuals, treedef = jax.tree.flatten(vjp)   # a jax.tree_util.Partial: its residuals
+    bwd_specs = [(r.shape, r.dtype) for r in residuals] + [(out.shape, out.dtype)]
+    bwd = lambda *a: jax.tree.unflatten(treedef, a[:-1])(a[-1])
+    return Program(bwd, bwd_specs, 2 * flops, 2 * _nbytes(specs), kernel)
 
   def grad(*args):
     diff, rest = args[:num_diff], args[num_diff:]
@@ -221,14 +230,31 @@ def _layer(name: str, dtype):
   return fn, specs, 2 * tokens * weights, len(leaves) + 1
 
 
-def _lm_step_part(part: str, dtype, spec: dict) -> Program:
-  """One chip's share of a LanguageModel train step, for `step_estimate`: "block" (one of its
-  Blocks, forward and VJP under the model's remat, parameters float32 as stored) or "head"
-  (final norm, LM head and the chunked loss on given features, forward and VJP). libtpu's
-  profiler rejects gathers ("Unsupported DMA direction"): the embedding lookup is left out,
-  and the loss picks each label's logit by a one-hot sum (`train.losses._per_position`
-  replaced in this process; same matmuls and softmax). spec: config, mixer, ffn, context,
-  batch (sequences per chip). FLOPs: 6 x the part's parameters x tokens."""
+def _stirling_gammaln(x):
+  """log Gamma(x) for x > 0 without a table lookup (jax's TPU lowering gathers, which libtpu's
+  profiler rejects): Stirling's series at x + 6, shifted back by log x (x+1) ... (x+5);
+  within 3e-6 of jax's for the FRAC exponents in (0, 2] (tests/test_step_estimate.py)."""
+  import jax.numpy as jnp
+  z = x + 6.0
+  series = 1 / (12 * z) - 1 / (360 * z ** 3) + 1 / (1260 * z ** 5)
+  shift = jnp.log(x * (x + 1) * (x + 2) * (x + 3) * (x + 4) * (x + 5))
+  return (z - 0.5) * jnp.log(z) - z + 0.5 * math.log(2 * math.pi) + series - shift
+
+
+def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
+  """One chip's share of a LanguageModel train step, for `step_estimate`: "mixer" or "ffn" (a
+  half of one of its Blocks, x + mixer(norm1(x)) or x + ffn(norm2(x)), parameters float32 as
+  stored: its forward, or with direction "bwd" its VJP alone from the forward's residuals) or
+  "head" (final norm, LM head and the chunked loss on given features, forward and VJP).
+  A Block is measured in halves, each kernel in a program of its own: libtpu's profiler
+  rejected a FlashFFN block whose forward and backward kernels shared one (138 MiB of VMEM
+  asked for; the real compiles fit). libtpu's profiler rejects gathers ("Unsupported DMA
+  direction"): the embedding lookup is left out, the loss picks each label's logit by a
+  one-hot sum (`train.losses._per_position` replaced in this process; same matmuls and
+  softmax), and FRAC's mode weights take log-gamma from Stirling's series (`_stirling_gammaln`
+  for jax.scipy.special.gammaln in this process: H values per layer). spec: config, mixer,
+  ffn, context, batch (sequences per chip). FLOPs: 2 x the part's parameters x tokens per
+  forward."""
   import functools
   import types
 
@@ -242,29 +268,37 @@ def _lm_step_part(part: str, dtype, spec: dict) -> Program:
   from train.losses import chunked_cross_entropy
   kwargs = dict(load_config(spec["config"]).model.to_dict(), num_layers=1, impl="pallas")
   kwargs.update({k: spec[k] for k in ("mixer", "ffn", "context") if spec.get(k)})
+  jax.scipy.special.gammaln = _stirling_gammaln
   model = nnx.eval_shape(lambda: LanguageModel(**kwargs, interpret=False, dtype=dtype,
                                                rngs=nnx.Rngs(0)))
   b, l, d = spec["batch"], kwargs["context"], kwargs["d_model"]
-  module = model.blocks[0] if part == "block" else model.norm
+  halves = {"mixer": ("norm1", "mixer"), "ffn": ("norm2", "ffn")}
+  module = model.blocks[0] if part in halves else model.norm
   graphdef, params, rest = nnx.split(module, nnx.Param, ...)
   leaves, treedef = jax.tree.flatten(params)
   rest_leaves, rest_def = jax.tree.flatten(rest)
   n, m = len(leaves), len(rest_leaves)
   # arguments: the module's parameters, [the LM head,] the features x, its other state
-  extra = [] if part == "block" else [(model.head.shape, model.head.dtype)]
+  extra = [] if part in halves else [(model.head.shape, model.head.dtype)]
   specs = ([(p.shape, p.dtype) for p in leaves] + extra + [((b, l, d), dtype)]
            + [(r.shape, r.dtype) for r in rest_leaves])
-  weights = sum(math.prod(shape) for shape, _ in specs[:n + len(extra)])
   k = n + len(extra)
 
-  def apply(a, x):
+  def apply(a):
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, a[:n]),
-                     jax.tree.unflatten(rest_def, a[k + 1:k + 1 + m]))(x)
+                     jax.tree.unflatten(rest_def, a[k + 1:k + 1 + m]))
 
-  if part == "block":
-    block = lambda *a: apply(a, a[k])
-    fn = jax.checkpoint(block) if kwargs.get("remat") else block
-    return _with_grad(fn, specs, k + 1, 2 * b * l * weights, "", "fwd+bwd")
+  if part in halves:
+    names = halves[part]
+    weights = sum(math.prod(p.shape) for name in names
+                  for p in jax.tree.leaves(nnx.state(getattr(module, name), nnx.Param)))
+
+    def half(*a):
+      norm, layer = (getattr(apply(a), name) for name in names)
+      return a[k] + layer(norm(a[k]))
+
+    return _with_grad(half, specs, k + 1, 2 * b * l * weights, "", direction)
+  weights = sum(math.prod(shape) for shape, _ in specs[:k])
 
   def one_hot_pick(logits, labels):
     picked = jnp.where(labels[..., None] == jnp.arange(logits.shape[-1]), logits, 0.0)
@@ -276,7 +310,7 @@ def _lm_step_part(part: str, dtype, spec: dict) -> Program:
   def head(*a):
     # the model's own head (`LanguageModel.logits`) on the head weights passed in
     logits = functools.partial(LanguageModel.logits, types.SimpleNamespace(head=a[n]))
-    return chunked_cross_entropy(apply(a, a[k]), logits, a[-1], None)[0]
+    return chunked_cross_entropy(apply(a)(a[k]), logits, a[-1], None)[0]
 
   return _with_grad(head, specs + [((b, l), jnp.int32)], k + 1, 2 * b * l * weights, "",
                     "fwd+bwd")
@@ -311,7 +345,8 @@ PROGRAMS = {
     "pack3d/dense": ("pack3d", "dense XLA attention"),
     "layer/flash_ffn": ("layer", "FlashFFN(1024) layer, kernel"),
     "layer/swiglu": ("layer", "SwiGLU(1024) layer"),
-    "lmstep/block": ("lmstep", "one Block of a LanguageModel, fwd + VJP under its remat"),
+    "lmstep/mixer": ("lmstep", "a LanguageModel Block's mixer half, fwd (or its VJP: bwd)"),
+    "lmstep/ffn": ("lmstep", "a LanguageModel Block's FFN half, fwd (or its VJP: bwd)"),
     "lmstep/head": ("lmstep", "a LanguageModel's final norm, head and loss, fwd + VJP"),
 }
 KERNEL_PREFIX = {"flash_ffn": "flash_ffn", "frac": "frac_scan", "pack3d": "pack3d",
@@ -323,7 +358,7 @@ def build(name: str, direction: str, dtype_name: str, overrides: dict | None = N
   dtype, overrides = jnp.dtype(dtype_name), dict(overrides or {})
   group, impl = name.split("/")
   if group == "lmstep":   # overrides: the model's spec (`_lm_step_part`), not block sizes
-    return _lm_step_part(impl, dtype, overrides)
+    return _lm_step_part(impl, dtype, overrides, direction)
   kernel = KERNEL_PREFIX[group] if impl in ("kernel", "flash_ffn") else ""
   if name.startswith("layer/"):
     fn, specs, flops, num_diff = _layer(impl, dtype)

@@ -20,7 +20,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--target", required=True)
   parser.add_argument("--program", required=True)
-  parser.add_argument("--direction", required=True, choices=("fwd", "fwd+bwd"))
+  parser.add_argument("--direction", required=True, choices=("fwd", "bwd", "fwd+bwd"))
   parser.add_argument("--dtype", required=True)
   parser.add_argument("--blocks", default="{}", help="JSON block-size overrides")
   args = parser.parse_args(argv)

@@ -7,8 +7,12 @@ for a whole sharded step, issue 33).
 
 The parts of one chip's step (FSDP over every chip, as `configs/lm_paper.py` trains):
 - compute: libtpu's static cycle estimate (`perf_worker`) of the chip's share at its batch:
-  N x "lmstep/block" (a block's forward and VJP under the model's remat) plus "lmstep/head"
-  (final norm, LM head and the chunked loss, forward and VJP); the embedding lookup and its
+  N x a block plus "lmstep/head" (final norm, LM head and the chunked loss, forward and VJP).
+  A block is its two halves, "lmstep/mixer" and "lmstep/ffn" (x + layer(norm(x))), each its
+  forward ("fwd") and its VJP from the forward's residuals ("bwd") in programs of their own,
+  so no program holds two kernels (libtpu's profiler rejected a FlashFFN block with both):
+  per half, fwd + bwd, plus a second fwd under the model's remat (the backward recomputes
+  the block's forward). Cross-half fusion is lost (a residual add). The embedding lookup and its
   gradient are left out (libtpu's profiler rejects the gather; a [tokens, d] read and
   scatter-add, small beside the head's matmuls). Each part is checked against its FLOP
   floor (its model FLOPs at the MXU peak): an estimate below it is reported as untrusted.
@@ -50,11 +54,18 @@ def model_facts(spec: dict) -> dict:
   kwargs.update({k: spec[k] for k in ("mixer", "ffn", "context") if spec.get(k)})
   model = nnx.eval_shape(lambda: LanguageModel(**kwargs, rngs=nnx.Rngs(0)))
   params = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  return dict(params=params, layers=kwargs["num_layers"], context=kwargs["context"])
+  return dict(params=params, layers=kwargs["num_layers"], context=kwargs["context"],
+              remat=bool(kwargs.get("remat")))
+
+
+HALVES = ("mixer", "ffn")
+PARTS = tuple(f"{half}/{direction}" for half in HALVES for direction in ("fwd", "bwd")) + (
+    "head",)
+DIRECTION = {part: part.partition("/")[2] or "fwd+bwd" for part in PARTS}
 
 
 def estimate(spec: dict, target: str, chips: int, parts: dict) -> dict:
-  """The row for one model from its parts' perf_worker results {"block": r, "head": r}."""
+  """The row for one model from its parts' perf_worker results {part: r} (PARTS)."""
   chip = perf.CHIPS[target]
   facts = model_facts(spec)
   seconds = {}
@@ -68,7 +79,10 @@ def estimate(spec: dict, target: str, chips: int, parts: dict) -> dict:
     if seconds[name] < floor:
       untrusted.append(f"{name} {seconds[name] * 1e3:.2f} ms < its FLOP floor "
                        f"{floor * 1e3:.2f} ms")
-  compute = seconds["head"] + facts["layers"] * seconds["block"]
+  forwards = 2 if facts["remat"] else 1
+  half = {h: forwards * seconds[f"{h}/fwd"] + seconds[f"{h}/bwd"] for h in HALVES}
+  block = sum(half.values())
+  compute = seconds["head"] + facts["layers"] * block
   optimizer = ADAMW_BYTES_PER_PARAM * facts["params"] / chips / chip.hbm_bytes_per_s
   collectives = 3 * 4 * facts["params"] * (chips - 1) / chips / ICI_BYTES_PER_S[target]
   tokens = spec["batch"] * facts["context"]          # per chip per step
@@ -76,7 +90,8 @@ def estimate(spec: dict, target: str, chips: int, parts: dict) -> dict:
   mfu = lambda step: 6 * facts["params"] * tokens / (peak * step)
   low, high = compute + optimizer, compute + optimizer + collectives
   return dict(spec, target=target, chips=chips, params=facts["params"],
-              block_ms=seconds["block"] * 1e3, head_ms=seconds["head"] * 1e3,
+              block_ms=block * 1e3, mixer_ms=half["mixer"] * 1e3, ffn_ms=half["ffn"] * 1e3,
+              head_ms=seconds["head"] * 1e3,
               compute_ms=compute * 1e3, optimizer_ms=optimizer * 1e3,
               collectives_ms=collectives * 1e3, step_ms=(low * 1e3, high * 1e3),
               tokens_per_s_per_chip=(tokens / high, tokens / low), mfu=(mfu(high), mfu(low)),
@@ -89,7 +104,8 @@ def line(row: dict) -> str:
   step, tps, mfu = row["step_ms"], row["tokens_per_s_per_chip"], row["mfu"]
   flag = " (untrusted: " + "; ".join(row["untrusted"]) + ")" if row["untrusted"] else ""
   return (f"| {row['config']} {row['mixer']} + {row['ffn']}, {row['context']} x "
-          f"{row['batch']}/chip | {row['compute_ms']:.1f} ({row['block_ms']:.2f} / block) | "
+          f"{row['batch']}/chip | {row['compute_ms']:.1f} ({row['block_ms']:.2f} / block: mixer "
+          f"{row['mixer_ms']:.2f}, FFN {row['ffn_ms']:.2f}; head {row['head_ms']:.1f}) | "
           f"{row['optimizer_ms']:.2f} | {row['collectives_ms']:.1f} | {step[0]:.1f} - "
           f"{step[1]:.1f} | {tps[0]:,.0f} - {tps[1]:,.0f} | {100 * mfu[0]:.0f}% - "
           f"{100 * mfu[1]:.0f}%{flag} |")
@@ -116,9 +132,10 @@ def main(argv=None):
   spec = dict(config=args.config, mixer=args.mixer, ffn=args.ffn, batch=args.batch_per_chip,
               context=args.context or None)
   parts = {}
-  for part in ("block", "head"):
-    parts[part] = perf.run_worker(args.target, f"lmstep/{part}", "fwd+bwd", "bfloat16", spec,
-                                  args.timeout, args.max_rss_gb)
+  for part in PARTS:
+    parts[part] = perf.run_worker(args.target, f"lmstep/{part.partition('/')[0]}",
+                                  DIRECTION[part], "bfloat16", spec, args.timeout,
+                                  args.max_rss_gb)
     print(f"  {part}: {parts[part].get('status')} {parts[part].get('cycles', '')} cycles "
           f"({parts[part].get('compile_s', '?')} s, {parts[part].get('peak_rss_gb', '?')} GB)",
           flush=True)
