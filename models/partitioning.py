@@ -26,12 +26,14 @@ inside it, over every mesh axis but "tensor" on its head dimensions ("heads",
 "head_channels"); one marked `cast` (a weight the layer reads in its compute dtype) is cast
 before it is gathered, so in bf16 the gather moves and holds half the bytes. Gathered inside
 the (rematerialised) block, a layer's whole weights live only while it runs, and their
-gradients leave the map reduce-scattered.
+gradients leave the map reduce-scattered, before the layer below starts its backward
+(`_reduced_in_order`).
 With no mesh in context (`jax.set_mesh`) every helper here is the identity.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -180,6 +182,27 @@ def _gather(value: jax.Array, enter: P, keep: P) -> jax.Array:
   return value
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _reduced_in_order(fn, *args):
+  """fn(*args), whose backward hands back the cotangents of all `args` together, behind one
+  optimization barrier: x's cotangent, which the layer below needs for its own backward, waits
+  for this layer's parameter gradients to be reduced. Without it XLA's combiner merges every
+  layer's gradient reduction into one collective at the end of the backward (on v5e the
+  reduce-scatters become all-reduces), holding every layer's whole gradients until then."""
+  return fn(*args)
+
+
+def _reduced_in_order_fwd(fn, *args):
+  return jax.vjp(fn, *args)
+
+
+def _reduced_in_order_bwd(fn, vjp, dy):
+  return jax.lax.optimization_barrier(vjp(dy))
+
+
+_reduced_in_order.defvjp(_reduced_in_order_fwd, _reduced_in_order_bwd)
+
+
 def psum_heads(x: jax.Array) -> jax.Array:
   """Sum of x over the "tensor" axis, for a statistic over all heads computed inside
   `shard_layer(split_heads=True)` from the local ones (FRAC's gated norm).
@@ -198,7 +221,8 @@ def shard_layer(layer: nnx.Module, x: jax.Array, *extra: jax.Array, split_seq: b
   enters in its own layout and is gathered inside the map (after a cast to the layer's compute
   dtype, `layer.dtype` or x's, if marked `cast`); the gathers' transposes reduce-scatter the
   gradients, a cast weight's in the compute dtype (as XLA's partitioner reduces the bf16
-  gradients of the weights it gathers for the attention and SwiGLU layers). With `split_heads` (layers whose parameters name their head dimensions
+  gradients of the weights it gathers for the attention and SwiGLU layers), and x's cotangent
+  waits for them (`_reduced_in_order`). With `split_heads` (layers whose parameters name their head dimensions
   (HEAD_AXES) in head-major blocks, and whose output is the sum of per-head terms: FlashFFN,
   FRAC, Pack3D), the head dimensions stay split over "tensor", so the layer and its kernel run
   on the local heads (a layer reads its local head count from its parameters' shapes); the
@@ -231,8 +255,8 @@ def shard_layer(layer: nnx.Module, x: jax.Array, *extra: jax.Array, split_seq: b
     # check_vma=False a psum inside would be transposed to a second psum)
     partial = jax.shard_map(lambda *a: run(*a)[None], in_specs=(state_specs, x_spec)
                             + extra_specs, out_specs=P("tensor", *x_spec), check_vma=False)
-    return partial(state, x, *extra).sum(0)
+    return _reduced_in_order(partial, state, x, *extra).sum(0)
   if split_seq and x.shape[1] % tensor == 0:
     x_spec = P(x_spec[0], "tensor", *x_spec[2:])
-  return jax.shard_map(run, in_specs=(state_specs, x_spec) + extra_specs, out_specs=x_spec,
-                       check_vma=False)(state, x, *extra)
+  return _reduced_in_order(jax.shard_map(run, in_specs=(state_specs, x_spec) + extra_specs,
+                                         out_specs=x_spec, check_vma=False), state, x, *extra)

@@ -63,6 +63,9 @@ def main(argv=None):
   parser.add_argument("--batch_per_chip", type=int, default=1)
   parser.add_argument("--largest", type=int, default=0,
                       help="also list the N largest slices of the temporaries (their shapes)")
+  parser.add_argument("--peak", type=int, default=0,
+                      help="also list what is live at the peak: the N largest entries of the "
+                           "compiler's stack-trace breakdown (jax op names)")
   args = parser.parse_args(argv)
   for key, value in environment(TARGETS["tpu-v5e"]).items():
     os.environ.setdefault(key, value)
@@ -132,7 +135,7 @@ def main(argv=None):
                        ("other model state", rest)):
       print(f"  {name}: {per_chip_gib(tree):.3f} GiB per chip")
     state_sh = jax.tree.map(lambda x: x.sharding, state)
-    dump = tempfile.mkdtemp(prefix="scale-") if args.largest else None
+    dump = tempfile.mkdtemp(prefix="scale-") if args.largest or args.peak else None
     compiled = jax.jit(train_step, in_shardings=(state_sh, None), out_shardings=(state_sh, None),
                        donate_argnums=0).lower(state, batch_spec).compile(
                            {"xla_dump_to": dump} if dump else None)
@@ -156,10 +159,15 @@ def main(argv=None):
   hlo = compiled.as_text()
   kernel_calls = hlo.count('custom_call_target="tpu_custom_call"')
   print(f"  collectives: {collectives(hlo)}; Pallas kernel calls: {kernel_calls}")
-  if dump:
+  if args.largest:
     print(f"  the {args.largest} largest slices of the temporaries (MiB: values' shapes):")
     for line in largest_slices(dump, args.largest):
       print("    " + line)
+  if args.peak:
+    print(f"  live at the peak, the {args.peak} largest (MiB: jax op or argument):")
+    for line in peak_breakdown(dump, args.peak):
+      print("    " + line)
+  if dump:
     shutil.rmtree(dump)
 
 
@@ -186,6 +194,22 @@ def largest_slices(dump: str, n: int) -> list:
       rows.append((float(number) * scale, cells[4]))
   rows.sort(key=lambda r: -r[0])
   return [f"{mib:9,.1f}: {shapes[:150]}" for mib, shapes in rows[:n]]
+
+
+def peak_breakdown(dump: str, n: int) -> list:
+  """The n largest entries live at the peak, from the "Stack trace breakdown for peak usage" of
+  the compiler's live-range dump: "MiB: the jax op (or argument) that made the value", leaves
+  of the breakdown's tree (an entry's own bytes, `current`), summed over entries of one name."""
+  text = max(pathlib.Path(dump).glob("*live-range.txt"), key=lambda p: p.stat().st_size
+             ).read_text()
+  section = text.partition("Stack trace breakdown for peak usage")[2]
+  sizes = collections.Counter()
+  for line in section.splitlines()[1:]:
+    match = re.match(r"[\s│├└─]*(.+?) \([\d.]+%, total: [\d ]+ bytes, current: ([\d ]+) bytes",
+                     line)
+    if match and int(match.group(2).replace(" ", "")):
+      sizes[re.sub(r"\{\d+\}$", "", match.group(1))] += int(match.group(2).replace(" ", ""))
+  return [f"{size / 2**20:9,.1f}: {name[:150]}" for name, size in sizes.most_common(n)]
 
 
 if __name__ == "__main__":
