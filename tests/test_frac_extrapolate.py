@@ -8,6 +8,7 @@ import pathlib
 import jax
 import ml_collections
 import numpy as np
+import pytest
 from flax import nnx
 
 from experiments import common, frac_memory, memory_tasks
@@ -86,9 +87,12 @@ def _config():
   return exp_frac_extrapolate.get_config()
 
 
+@pytest.mark.slow
 def test_runs_are_evaluated_beyond_their_length_from_their_checkpoints(tmp_path):
   """A tiny sweep: every row gets its accuracy per gap at each eval length, computed by the
-  model restored from its checkpoint (not the one in memory), and its memory clocks."""
+  model restored from its checkpoint (not the one in memory), and its memory clocks. Slow
+  (~50 s, the suite's heaviest): the sweep's order and best-lr pick stay in the default run
+  (test_sweep_then_seeds_order_and_best_lr)."""
   base = _config()
   with base.unlocked():
     t = base.experiment.tasks.kv_recall
