@@ -50,9 +50,9 @@ def _with_grad(fn, specs, num_diff: int, flops: int, kernel: str, direction: str
   import jax
   if direction == "fwd":
     return Program(fn, specs, flops, _nbytes(specs), kernel)
+  pullback = lambda *a: jax.vjp(lambda *d: fn(*d, *a[num_diff:]), *a[:num_diff])
   if direction == "bwd":
     structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs]
-    pullback = lambda *a: jax.vjp(lambda *d: fn(*d, *a[num_diff:]), *a[:num_diff])
     out, vjp = jax.eval_shape(pullback, *structs)
     residuals, treedef = jax.tree.flatten(vjp)   # a jax.tree_util.Partial: its residuals
     bwd_specs = [(r.shape, r.dtype) for r in residuals] + [(out.shape, out.dtype)]
@@ -60,8 +60,7 @@ def _with_grad(fn, specs, num_diff: int, flops: int, kernel: str, direction: str
     return Program(bwd, bwd_specs, 2 * flops, 2 * _nbytes(specs), kernel)
 
   def grad(*args):
-    diff, rest = args[:num_diff], args[num_diff:]
-    out, vjp = jax.vjp(lambda *d: fn(*d, *rest), *diff)
+    out, vjp = pullback(*args)
     return out, vjp(out)
 
   return Program(grad, specs, 3 * flops, 3 * _nbytes(specs), kernel)

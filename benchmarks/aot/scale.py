@@ -178,11 +178,15 @@ def load_config(spec: str):
   return module.get_config(arg) if arg else module.get_config()
 
 
+def _dump_text(dump: str, pattern: str) -> str:
+  """The largest file of the compiler's dump matching `pattern`: the train step's module."""
+  return max(pathlib.Path(dump).glob(pattern), key=lambda p: p.stat().st_size).read_text()
+
+
 def largest_slices(dump: str, n: int) -> list:
   """The n largest slices of the largest allocation in the compiler's memory-usage report:
   "size MiB: the shapes of the values that share the slice" (offsets reused over time)."""
-  report = max(pathlib.Path(dump).glob("*memory-usage-report.txt"),
-               key=lambda p: p.stat().st_size).read_text()
+  report = _dump_text(dump, "*memory-usage-report.txt")
   tables = [t for t in report.split("cumulative_size;") if "shapes_list" in t]
   rows = []
   for line in tables[0].splitlines() if tables else []:
@@ -200,8 +204,7 @@ def peak_breakdown(dump: str, n: int) -> list:
   """The n largest entries live at the peak, from the "Stack trace breakdown for peak usage" of
   the compiler's live-range dump: "MiB: the jax op (or argument) that made the value", leaves
   of the breakdown's tree (an entry's own bytes, `current`), summed over entries of one name."""
-  text = max(pathlib.Path(dump).glob("*live-range.txt"), key=lambda p: p.stat().st_size
-             ).read_text()
+  text = _dump_text(dump, "*live-range.txt")
   section = text.partition("Stack trace breakdown for peak usage")[2]
   sizes = collections.Counter()
   for line in section.splitlines()[1:]:
