@@ -126,6 +126,18 @@ def products(plgpu, shape, pairs):
   return accumulators(plgpu, run, *(shape for _ in pairs))
 
 
+def product_sum(plgpu, shape, pairs):
+  """sum_i a_i @ b_i over (a_i, b_i) in pairs, in one float32 [M, N] accumulator; returns
+  once the matmuls are done."""
+  def run(acc):
+    for i, (a, b) in enumerate(pairs):
+      mma(plgpu, acc, a, b, accumulate=i > 0)
+    mma_wait(plgpu, acc)
+    (value,) = read(plgpu, acc)
+    return value
+  return accumulators(plgpu, run, shape)
+
+
 def store_operands(plgpu, pairs):
   """Writes register values to the shared-memory buffers an MMA reads its A operand from
   (in the buffers' dtype) and fences them for the tensor core's async proxy."""

@@ -14,8 +14,8 @@ bf16 with float32 accumulation. Files: `blocks.py` (launch shape and tuned table
 `mosaic.py` (TPU: grid (group, chunk), state in VMEM scratch), `triton.py` (GPU: grid
 (group, column block of P), a loop over chunks with the states in registers),
 `mosaic_gpu.py` (Hopper GPUs, jax >= 0.11.2: 64-token chunks as WGMMA's M, transposed
-states in registers; each direction in two kernels, the in-chunk terms a program per chunk,
-the state walk a TMA pipeline over the chunks).
+states; SSD's order, every kernel a program per chunk, the walk over the chunks an
+elementwise scan in XLA between them).
 
 `frac_scan` is the one public entry point; it dispatches with
 `jax.lax.platform_dependent`: Mosaic on TPU; on a CUDA GPU Mosaic GPU for 16-bit inputs on

@@ -1,30 +1,33 @@
-"""FRAC scan on Hopper GPUs (Mosaic GPU, jax >= 0.11.2): WGMMA with float32 accumulators, one
-warpgroup per program, grid (group g, block pb of 64 columns of P, block mb of modes[, chunk]).
+"""FRAC scan on Hopper GPUs (Mosaic GPU, jax >= 0.11.2) in SSD's layout: every kernel is a
+program per 64-token chunk (grid: group g, block pb of 64 columns of P, block mb of modes,
+chunk c), and the one sequential part, the walk of the states over the chunks, is
+elementwise XLA between the kernels.
 
 WGMMA wants M = 64 rows, so a chunk is Q = 64 tokens (the token axis is M of the [Q, *]
-products) and the states are kept transposed, S_j^T [64, N] (P is M of the state update;
-N = 16 is a legal WGMMA N). Per chunk, with the notation of `jaxops.frac_chunk`::
+products) and states are kept transposed, S_j^T [64, N] (P is M of a state product; N = 16
+is a legal WGMMA N). With the notation of `jaxops.frac_chunk`, E_c the states at the end of
+chunk c (E_{-1} the initial state) and dE_c their cotangents::
 
-  cb     = c bd^T                                    [Q, Q]   (c, bd: A and B^T in SMEM)
-  y      = (cb * Lmix) x  +  sum_j (c * w_j e^{-r_j t}) S_j
-  S_j^T <- e^{-r_j t_Q} S_j^T  +  (x^T * e^{-r_j (t_Q - t)}) bd      [64, N]
+  forward   own_c,j  = x^T (bd * e^{-r_j (t_Q - t)})      [64, N]   `_own_states`
+            E_c,j    = e^{-r_j t_Q} E_{c-1},j + own_c,j              `_walk` (XLA)
+            y_c      = ((c bd^T) * Lmix) x + sum_j (c * w_j e^{-r_j t}) E_{c-1},j   `_outputs`
+  backward  own'_c,j = dy^T (c * w_j e^{-r_j t})          [64, N]   `_own_states`
+            dE_{c-1} = e^{-r_j t_Q} dE_c + own'_c                    `_walk_back` (XLA)
+            the terms inside each chunk, through cb and Lmix         `_intra`
+            the terms through E_{c-1} and own_c, given both          `_state_grads`
+            the keep decays e^{-r_j t_Q}: sum(dE_c * E_{c-1}), differentiated by JAX
 
-Each direction is two kernels, whose per-token and per-mode results are shares that XLA
-adds (as the Triton kernel's): the terms inside a chunk (through cb and Lmix: no state, so
-a program per chunk and all modes, which fills the GPU however few the groups), and the
-state terms, a walk over the chunks (`plgpu.emit_pipeline`: TMA copies of the next chunk
-overlap this one) carrying a block of modes' states (forward) or their cotangents
-(backward, from the last chunk, reading the saved chunk-start states: the op's shared
-format, `TilePlan`) in registers. One kernel per direction would hold too many values for
-the register file. Registers (ptxas, H100, the benchmark shape, bf16, tuned blocks): forward
-143 (chunks) and 148 (walk), backward 255 (chunks, spilling 80 B) and 241 (walk).
+So every kernel fills the GPU however few the groups (B x H x chunks programs), and no
+program waits for another. The backward's in-chunk and state terms are separate kernels
+because one alone would hold too many [Q, Q] and state values for the register file; their
+per-token results are shares that XLA adds.
 
 Operands. WGMMA reads B (and here A) from shared memory; values computed in registers are
 written there first. Every operand is in the input dtype: products of bf16 inputs run on
-the tensor cores in bf16, and so do the state terms (the states are float32 in registers,
-rounded to bf16 as operands; TF32 would need K-major copies of every state operand). For
-float32 inputs the same code runs in the interpreter only: on a real chip `dispatch`
-refuses float32 Mosaic GPU kernels (`dispatch.mosaic_gpu_dtype_ok`).
+the tensor cores in bf16, and so do the state terms (the walks' states and cotangents are
+float32, handed to the kernels rounded to the input dtype; TF32 would need K-major copies
+of every state operand). For float32 inputs the same code runs in the interpreter only: on
+a real chip `dispatch` refuses float32 Mosaic GPU kernels (`dispatch.mosaic_gpu_dtype_ok`).
 
 Shapes served: the plan's chunk must be 64 (or the whole padded sequence, one chunk, which
 is padded here to 64 tokens) and N (padded to 16 or 32) at most 32; P is padded to a
@@ -45,8 +48,8 @@ from jax.experimental import pallas as pl
 from jaxops import tiling
 from jaxops.frac_chunk import Modes, TilePlan
 from pallas_kernels.dispatch import mosaic_gpu_module
-from pallas_kernels.mosaic_gpu_common import (interpret_params, products, smem_transforms,
-                                              store_operands)
+from pallas_kernels.mosaic_gpu_common import (interpret_params, product_sum, products,
+                                              smem_transforms, store_operands)
 
 _F32 = jnp.float32
 CHUNK = 64     # tokens per chunk: WGMMA's M
@@ -91,10 +94,9 @@ class _Grid:
 
 
 def _grid(plan: TilePlan, blocks, all_modes: bool) -> _Grid:
-  """m_block: every mode (the in-chunk kernels: no states, and Lmix sums the modes), or (the
-  state walks) the tuned count, at most 64 / N (N >= 16, a power of two): a program's
-  states, their operands and staging scale with m_block * N, and 4 modes at N = 32 overflow
-  the backward's shared memory (246 KiB > 227 KiB)."""
+  """m_block: every mode (the kernels in which the modes meet: Lmix, or one sum over the
+  modes), or (the backward's state terms) the tuned count, at most 64 / N (N >= 16, a power
+  of two): its operands scale with m_block * N."""
   assert unsupported(plan) is None, plan  # frac_scan checks it
   if all_modes:
     return _Grid(plan, plan.m_pad)
@@ -194,9 +196,6 @@ class _Decays:
     """e^{-r (t_Q - t)}: from token t to the chunk end, on the layout of `t`."""
     return jnp.exp(-rate * (self.t_end - t))
 
-  def keep(self, rate):
-    """e^{-r t_Q}: over the whole chunk (a scalar)."""
-    return jnp.exp(-rate * self.t_end)
 
 
 def _lane_params(plgpu):
@@ -223,14 +222,14 @@ def _cols(v, shape):
 
 
 class _Kernel:
-  """What the forward and backward kernels share: the plan, the operand layouts and the
-  per-program state I/O (states [64, n] float32 in registers, transposed)."""
+  """What the kernels share: the plan, the operand layouts, the tile specs of one chunk and
+  the launch on the grid (g, pb, mb, c)."""
 
   def __init__(self, plan: TilePlan, blocks, x, *, all_modes: bool = False):
     self.plgpu = plgpu = mosaic_gpu_module()
     self.plan, self.grid = plan, _grid(plan, blocks, all_modes)
     self.low, self.n, self.mb = x.dtype, plan.n, self.grid.m_block
-    self.groups, self.stages = x.shape[0], blocks.num_stages
+    self.groups = x.shape[0]
     self.transforms = smem_transforms(plgpu, self.low, self.n, CHUNK, COLUMNS)
 
   def operand(self, shape):
@@ -243,37 +242,19 @@ class _Kernel:
     plgpu = self.plgpu
     return plgpu.SMEM(shape, _F32, transforms=smem_transforms(plgpu, _F32, shape[-1]))
 
-  def spec(self, shape, index, dtype=None):
-    """A pipeline block spec, swizzled as the operands (or as float32 staging)."""
-    transforms = (self.transforms if dtype is None
-                  else smem_transforms(self.plgpu, dtype, shape[-1]))
-    return self.plgpu.BlockSpec(shape, index, transforms=transforms)
-
-  def token_specs(self, chunk_of):
-    """Pipeline specs of x^T, c, bd and t for the chunk `chunk_of(step)`."""
-    q, w, n, pb = CHUNK, COLUMNS, self.n, lax.axis_index("pb")
-    return [self.spec((w, q), lambda i: (pb, chunk_of(i))),
-            self.spec((q, n), lambda i: (chunk_of(i), 0)),
-            self.spec((q, n), lambda i: (chunk_of(i), 0)),
-            self.plgpu.BlockSpec((q,), lambda i: (chunk_of(i),))]
-
-  def load_states(self, ref, f32_s, bar):
-    """This program's m_block states [64, n] from `ref` [m_pad, P64, n], through f32_s
-    [m_block, 64, n] (one copy: a second into the same buffer would race the loads)."""
-    plgpu = self.plgpu
-    plgpu.copy_gmem_to_smem(ref.at[self.modes(), self.columns()], f32_s, bar.at[0])
-    plgpu.barrier_wait(bar.at[0])
-    return tuple(plgpu.load(f32_s.at[j], layout=plgpu.Layout.WGMMA) for j in range(self.mb))
-
-  def write_states(self, states, ref, f32_s):
-    """Inverse of `load_states`; waits for every copy to finish."""
-    plgpu = self.plgpu
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # f32_s's last copy has read it
-    for j, s in enumerate(states):
-      f32_s[j] = s
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(f32_s, ref.at[self.modes(), self.columns()])
-    plgpu.wait_smem_to_gmem(0)
+  def tile_specs(self, *names):
+    """Block specs of this chunk's tiles: "xt" (x^T [64, Q]), "c", "bd" ([Q, N]), "t" ([Q]),
+    "dy" ([Q, 64]) and "states" (the mode block's S^T [m_block, 64, N]), operands swizzled."""
+    q, w, n = CHUNK, COLUMNS, self.n
+    chunk, pb, mb = lax.axis_index("c"), lax.axis_index("pb"), lax.axis_index("mb")
+    blocks = {"xt": ((w, q), lambda i: (pb, chunk + i)),
+              "c": ((q, n), lambda i: (chunk + i, 0)),
+              "bd": ((q, n), lambda i: (chunk + i, 0)),
+              "dy": ((q, w), lambda i: (chunk + i, pb)),
+              "states": ((None, self.mb, w, n), lambda i: (chunk + i, mb, pb, 0))}
+    return [self.plgpu.BlockSpec((q,), lambda i: (chunk + i,)) if name == "t"
+            else self.plgpu.BlockSpec(*blocks[name], transforms=self.transforms)
+            for name in names]
 
   def modes(self):
     return pl.ds(lax.axis_index("mb") * self.mb, self.mb)
@@ -287,17 +268,22 @@ class _Kernel:
     return _Decays(self.plgpu, t_s, rates_ref.at[g], weights_ref.at[g],
                    lax.axis_index("mb") * self.mb)
 
-  def call(self, kernel, out_type, scratch, name, interpret, *args, per_chunk=False):
-    """Runs `kernel` on the grid (g, pb, mb), with a fourth axis "c" over the chunks if
-    `per_chunk` (one chunk a program)."""
+  def call(self, kernel, out_type, scratch, name, interpret, *args):
+    """Runs `kernel` on the grid (g, pb, mb, c), a program per chunk."""
     plgpu, grid = self.plgpu, self.grid
-    extra = ((grid.chunks,), ("c",)) if per_chunk else ((), ())
     return plgpu.kernel(
-        kernel, out_type=out_type, scratch_types=scratch + [plgpu.Barrier(num_barriers=1)],
-        grid=(self.groups, grid.p // COLUMNS, grid.m_blocks) + extra[0],
-        grid_names=("g", "pb", "mb") + extra[1],
+        kernel, out_type=out_type, scratch_types=scratch,
+        grid=(self.groups, grid.p // COLUMNS, grid.m_blocks, grid.chunks),
+        grid_names=("g", "pb", "mb", "c"),
         compiler_params=_lane_params(plgpu), interpret=interpret_params(plgpu, interpret),
         kernel_name=name)(*args)
+
+  def chunk_tiles(self, step, refs, names):
+    """Runs step(*tiles) once, with the tiles `names` of this chunk TMA-copied from `refs`
+    (this group's arrays) into shared memory; then waits for the kernel's copies out."""
+    self.plgpu.emit_pipeline(lambda _, *tiles: step(*tiles), grid=(1,),
+                             in_specs=self.tile_specs(*names))(*refs)
+    self.plgpu.wait_smem_to_gmem(0)
 
 
 def _f32(shape):
@@ -305,197 +291,211 @@ def _f32(shape):
 
 
 # ----------------------------------------------------------------------------
-# Forward: two kernels, whose shares of y XLA adds.
+# The walk over the chunks (XLA, elementwise).
+# ----------------------------------------------------------------------------
+
+def _keeps(grid: _Grid, rates, t):
+  """e^{-r_j t_Q} per chunk and mode, [G, chunks, m_pad], from rates [G, m_pad] and the
+  kernels' t [G, length] (t_Q: each chunk's last entry)."""
+  t_end = t.reshape(t.shape[0], grid.chunks, CHUNK)[..., -1]
+  return jnp.exp(-rates[:, None, :] * t_end[..., None])
+
+
+def _affine(earlier, later):
+  """Composition of two steps v -> a v + b (`earlier` applied first)."""
+  (a1, b1), (a2, b2) = earlier, later
+  return a1 * a2, a2 * b1 + b2
+
+
+def _walk(keeps, own, initial):
+  """E_c = keeps_c E_{c-1} + own_c from E_{-1} = initial ([G, m_pad, P64, N]), as an
+  associative scan over the chunks. Returns (the chunk-start states E_{c-1}
+  [G, chunks, m_pad, P64, N], the final state E_{C-1})."""
+  a = keeps[..., None, None]
+  b = own.at[:, 0].add(a[:, 0] * initial)
+  _, ends = lax.associative_scan(_affine, (a, b), axis=1)
+  return jnp.concatenate([initial[:, None], ends[:, :-1]], axis=1), ends[:, -1]
+
+
+def _walk_back(keeps, own, dfinal):
+  """The chunk-end states' cotangents: dE_{c-1} = keeps_c dE_c + own_c (own: each chunk's
+  own cotangent of its start states) from dE_{C-1} = dfinal, scanned from the last chunk.
+  Returns (dE [G, chunks, m_pad, P64, N], the initial state's cotangent)."""
+  a = keeps[..., None, None]
+  b = own.at[:, -1].add(a[:, -1] * dfinal)
+  _, dstarts = lax.associative_scan(_affine, (a, b), axis=1, reverse=True)
+  return jnp.concatenate([dstarts[:, 1:], dfinal[:, None]], axis=1), dstarts[:, 0]
+
+
+# ----------------------------------------------------------------------------
+# Each chunk's own states (forward) and own state cotangents (backward).
+# ----------------------------------------------------------------------------
+
+def _own_states(k: _Kernel, interpret, backward: bool, cols, tokens, t, rates, weights):
+  """Per chunk and mode j, transposed [64, N]: x^T (bd * e^{-r_j (t_Q - t)}) (forward:
+  `cols` x^T, `tokens` bd), the chunk's contribution to its end states; or dy^T (c * w_j
+  e^{-r_j t}) (backward: `cols` dy, `tokens` c), its outputs' cotangent of its start states.
+  All modes in a program (k), max(1, 64 / N) accumulators at a time. Returns
+  [G, chunks, m_pad, P64, N] float32."""
+  plgpu, q, w, n = k.plgpu, CHUNK, COLUMNS, k.n
+  group = min(k.mb, max(1, 64 // n))
+
+  def kernel(cols_ref, tok_ref, t_ref, rates_ref, weights_ref, out_ref, op_s, f32_s):
+    g, chunk = lax.axis_index("g"), lax.axis_index("c")
+
+    def step(cols_s, tok_s, t_s):
+      dec = k.decays(t_s, rates_ref, weights_ref)
+      tok_f = _load(plgpu, tok_s)
+      a = cols_s.transpose((1, 0)) if backward else cols_s
+      for j0 in range(0, k.mb, group):
+        scales = []
+        for j in range(j0, min(j0 + group, k.mb)):
+          rate, weight = dec.mode(j)
+          scales.append(weight * dec.grow(rate) if backward else dec.out_of(rate, dec.t))
+        store_operands(plgpu, [(op_s.at[i], tok_f * _rows(s, (q, n)))
+                               for i, s in enumerate(scales)])
+        news = products(plgpu, (w, n), [(a, op_s.at[i]) for i in range(len(scales))])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last group's copy read f32_s
+        for i, s in enumerate(news):
+          f32_s[i] = s
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(f32_s.at[pl.ds(0, len(news))],
+                                out_ref.at[g, chunk, pl.ds(j0, len(news)), k.columns()])
+
+    k.chunk_tiles(step, (cols_ref.at[g], tok_ref.at[g], t_ref.at[g]),
+                  ("dy", "c", "t") if backward else ("xt", "bd", "t"))
+
+  grid = k.grid
+  out_type = _f32((k.groups, grid.chunks, k.plan.m_pad, grid.p, n))
+  scratch = [k.operand((group, q, n)), k.staging((group, w, n))]
+  name = "frac_scan_bwd_own" if backward else "frac_scan_fwd_own"
+  return k.call(kernel, out_type, scratch, name, interpret, cols, tokens, t, rates, weights)
+
+
+# ----------------------------------------------------------------------------
+# Forward: own states, the walk, the outputs.
 # ----------------------------------------------------------------------------
 
 def forward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, state, *,
             save_starts: bool):
-  """y = (cb * Lmix) x (`_forward_intra`, a program per chunk and all modes) plus the state
-  terms and the states themselves (`_forward_states`, the walk over the chunks)."""
-  k = _Kernel(plan, blocks, x)
+  """Each chunk's own end states (`_own_states`), the chunk-start states (`_walk`), then
+  y = (cb * Lmix) x + the state terms (`_outputs`)."""
+  k = _Kernel(plan, blocks, x, all_modes=True)
   grid = k.grid
-  args = (*_inputs(grid, x, bd, c, t), modes.rates[:, 0], modes.weights[:, 0])
-  y_intra = _forward_intra(_Kernel(plan, blocks, x, all_modes=True), interpret, *args)
-  y_states, final, starts = _forward_states(k, interpret, save_starts, *args,
-                                            _state_t(grid, state))
-  y = jnp.sum(y_intra, axis=1) + jnp.sum(y_states, axis=1)
+  xt, c_in, bd_in, t_in = _inputs(grid, x, bd, c, t)
+  rates, weights = modes.rates[:, 0], modes.weights[:, 0]
+  own = _own_states(k, interpret, False, xt, bd_in, t_in, rates, weights)
+  starts, final = _walk(_keeps(grid, rates, t_in), own, _state_t(grid, state))
+  y = _outputs(k, interpret, xt, c_in, bd_in, t_in, rates, weights, starts.astype(k.low))
   y = y[:, :plan.length, :plan.p].astype(k.low)
-  starts = _state_shared(grid, starts) if save_starts else None
-  return y, _state_shared(grid, final), starts
+  return y, _state_shared(grid, final), _state_shared(grid, starts) if save_starts else None
 
 
-def _y_shape(k: _Kernel):
-  """y's shares, one per mode block: [G, m_blocks, length, P64]."""
-  return _f32((k.groups, k.grid.m_blocks, k.grid.length, k.grid.p))
+def _outputs(k: _Kernel, interpret, *args):
+  """y = (cb * Lmix) x + sum_j (c * w_j e^{-r_j t}) S_j per chunk (cb = c bd^T; S_j the
+  chunk-start states in the input dtype), one accumulator over all modes (k)."""
+  plgpu, q, w, n = k.plgpu, CHUNK, COLUMNS, k.n
 
-
-def _write_y(k: _Kernel, y, y_s, y_ref, i):
-  """Stages chunk i's share of y [Q, 64] and copies it out (after the last copy read y_s)."""
-  plgpu = k.plgpu
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  y_s[...] = y
-  plgpu.commit_smem()
-  g, mb = lax.axis_index("g"), lax.axis_index("mb")
-  plgpu.copy_smem_to_gmem(y_s, y_ref.at[g, mb, pl.ds(i * CHUNK, CHUNK), k.columns()])
-
-
-def _forward_intra(k: _Kernel, interpret, *args):
-  """(cb * Lmix) x, cb = c bd^T: a program per chunk (k: all modes in one block)."""
-  plgpu, q, w, mb_size = k.plgpu, CHUNK, COLUMNS, k.mb
-
-  def kernel(xt_ref, c_ref, bd_ref, t_ref, rates_ref, weights_ref, y_ref, pm_s, y_s, _):
+  def kernel(xt_ref, c_ref, bd_ref, t_ref, rates_ref, weights_ref, s_ref, y_ref, pm_s, cg_s,
+             y_s):
     g, chunk = lax.axis_index("g"), lax.axis_index("c")
 
-    def step(_, xt_s, c_s, bd_s, t_s):
+    def step(xt_s, c_s, bd_s, t_s, s_s):
       dec = k.decays(t_s, rates_ref, weights_ref)
-      (cb,) = products(plgpu, (q, q), [(c_s, bd_s.transpose((1, 0)))])
-      store_operands(plgpu, [(pm_s, cb * dec.lmix(mb_size))])
-      (y,) = products(plgpu, (q, w), [(pm_s, xt_s.transpose((1, 0)))])
-      _write_y(k, y, y_s, y_ref, chunk)
-
-    plgpu.emit_pipeline(step, grid=(1,), in_specs=k.token_specs(lambda i: chunk + i))(
-        xt_ref.at[g], c_ref.at[g], bd_ref.at[g], t_ref.at[g])
-    plgpu.wait_smem_to_gmem(0)
-
-  return k.call(kernel, _y_shape(k), [k.operand((q, q)), k.staging((q, w))],
-                "frac_scan_fwd_intra", interpret, *args, per_chunk=True)
-
-
-def _forward_states(k: _Kernel, interpret, save_starts: bool, *args):
-  """The walk over the chunks: y's state terms sum_j (c * w_j e^{-r_j t}) S_j and the
-  update S_j^T <- e^{-r_j t_Q} S_j^T + (x^T * e^{-r_j (t_Q - t)}) bd, saving each chunk's
-  start states when `save_starts`. Returns (y's shares, final states, starts or None), the
-  states transposed ([..., m_pad, P64, n])."""
-  plgpu, grid, q, w, n, mb_size = k.plgpu, k.grid, CHUNK, COLUMNS, k.n, k.mb
-
-  def kernel(xt_ref, c_ref, bd_ref, t_ref, rates_ref, weights_ref, s0_ref, y_ref, s_ref,
-             *rest):
-    starts_ref, (cg_s, st_s, xo_s, y_s, starts_s, f32_s, bar) = (
-        (rest[0], rest[1:]) if save_starts else (None, rest))
-    g = lax.axis_index("g")
-
-    def step(idx, xt_s, c_s, bd_s, t_s, states):
-      (i,) = idx
-      dec = k.decays(t_s, rates_ref, weights_ref)
-      c_f, xt_f = _load(plgpu, c_s), _load(plgpu, xt_s)
-      for j, s in enumerate(states):
+      c_f = _load(plgpu, c_s)
+      for j in range(k.mb):  # each stored as made: 16 modes' [Q, N] would fill the registers
         rate, weight = dec.mode(j)
-        store_operands(plgpu, [(cg_s.at[j], c_f * _rows(weight * dec.grow(rate), (q, n))),
-                       (st_s.at[j], s),
-                       (xo_s.at[j], xt_f * _cols(dec.out_of(rate, dec.t_cols), (w, q)))])
-      news = products(plgpu, (w, n), [(xo_s.at[j], bd_s) for j in range(mb_size)])
+        cg_s[j] = (c_f * _rows(weight * dec.grow(rate), (q, n))).astype(k.low)
+      (cb,) = products(plgpu, (q, q), [(c_s, bd_s.transpose((1, 0)))])
+      store_operands(plgpu, [(pm_s, cb * dec.lmix(k.mb))])  # fences cg_s too
+      y = product_sum(plgpu, (q, w), [(pm_s, xt_s.transpose((1, 0)))] + [
+          (cg_s.at[j], s_s.at[j].transpose((1, 0))) for j in range(k.mb)])
+      y_s[...] = y
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(y_s, y_ref.at[g, pl.ds(chunk * CHUNK, CHUNK), k.columns()])
 
-      def y_run(acc):
-        for j in range(mb_size):
-          plgpu.wgmma(acc, cg_s.at[j], st_s.at[j].transpose((1, 0)))
-        return acc[...]
+    k.chunk_tiles(step, (xt_ref.at[g], c_ref.at[g], bd_ref.at[g], t_ref.at[g], s_ref.at[g]),
+                  ("xt", "c", "bd", "t", "states"))
 
-      _write_y(k, pl.run_scoped(y_run, plgpu.ACC((q, w), _F32)), y_s, y_ref, i)
-      if save_starts:  # _write_y waited for every earlier copy, starts_s's too
-        for j, s in enumerate(states):
-          starts_s[j] = s
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(starts_s, starts_ref.at[g, i, k.modes(), k.columns()])
-      return tuple(dec.keep(dec.mode(j)[0]) * s + new
-                   for j, (s, new) in enumerate(zip(states, news)))
-
-    final = plgpu.emit_pipeline(
-        step, grid=(grid.chunks,), in_specs=k.token_specs(lambda i: i),
-        max_concurrent_steps=k.stages, init_carry=k.load_states(s0_ref.at[g], f32_s, bar),
-    )(xt_ref.at[g], c_ref.at[g], bd_ref.at[g], t_ref.at[g])
-    k.write_states(final, s_ref.at[g], f32_s)
-
-  state_t = (k.groups, k.plan.m_pad, grid.p, n)
-  out_type = [_y_shape(k), _f32(state_t)]
-  if save_starts:
-    out_type.append(_f32((k.groups, grid.chunks) + state_t[1:]))
-  scratch = [k.operand((mb_size, q, n)), k.operand((mb_size, w, n)), k.operand((mb_size, w, q)),
-             k.staging((q, w)), k.staging((mb_size, w, n)), k.staging((mb_size, w, n))]
-  outs = k.call(kernel, out_type, scratch, "frac_scan_fwd_states", interpret, *args)
-  return outs[0], outs[1], outs[2] if save_starts else None
+  scratch = [k.operand((q, q)), k.operand((k.mb, q, n)), k.staging((q, w))]
+  return k.call(kernel, _f32((k.groups, k.grid.length, k.grid.p)), scratch,
+                "frac_scan_fwd_out", interpret, *args)
 
 
 # ----------------------------------------------------------------------------
-# Backward: two kernels, whose shares XLA adds.
+# Backward: own state cotangents, the walk back, then per chunk the terms inside it and
+# the terms through its states (two kernels, whose shares XLA adds).
 # ----------------------------------------------------------------------------
 
 def backward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, starts, dy, dstate):
-  """The gradients as `frac_chunk.chunk_backward`'s, in two kernels (one alone holds too
-  many [Q, Q] and state values for the register file): `_intra` (the terms inside a chunk,
-  through cb and Lmix; a program per chunk) and `_through_states` (the terms of the M
-  states, chunk by chunk from the last, carrying their cotangents).
+  """The gradients as `frac_chunk.chunk_backward`'s: each chunk's own cotangent of its start
+  states (`_own_states`), the chunk-end states' cotangents (`_walk_back`), then per chunk the
+  in-chunk terms (`_intra`) and the state terms (`_state_grads`); the keep decays
+  e^{-r_j t_Q} (XLA, `_keeps`) are differentiated by JAX.
 
   Per-token results of t and the mode cotangents come out as vectors whose totals (or sums
   with other programs' shares) XLA takes: for t, the terms at t_t [Q] (rows), at t_tau [Q]
   (the column sums of d(delta)) and a vector whose total is the cotangent of the chunk's
-  end t_Q; for each mode, vectors whose totals are its rate's and weight's cotangents.
-  The keep-decay terms (sums of S * dS over the 64 columns of P) are added to vectors
-  over the 64 tokens where only the total counts (CHUNK == COLUMNS)."""
-  k = _Kernel(plan, blocks, x)
+  end t_Q; for each mode, vectors whose totals are its rate's and weight's cotangents."""
+  k, k_all = _Kernel(plan, blocks, x), _Kernel(plan, blocks, x, all_modes=True)
   grid = k.grid
   xt, c_in, bd_in, t_in = _inputs(grid, x, bd, c, t)
   dy_in = jnp.pad(_pad_tokens(grid, dy), ((0, 0), (0, 0), (0, grid.p - plan.p))).astype(k.low)
-  args = (xt, c_in, bd_in, t_in, modes.rates[:, 0], modes.weights[:, 0], dy_in)
-  dx, dc, dbd, dt_a, dmodes = _intra(_Kernel(plan, blocks, x, all_modes=True), interpret, *args)
-  dx_s, dc_s, dbd_s, dt_b, dmodes_s, ds0 = _through_states(
-      k, interpret, *args, _state_t(grid, starts), _state_t(grid, dstate))
+  rates, weights = modes.rates[:, 0], modes.weights[:, 0]
+  own = _own_states(k_all, interpret, True, dy_in, c_in, t_in, rates, weights)
+  keeps, keeps_vjp = jax.vjp(functools.partial(_keeps, grid), rates, t_in)
+  starts = _state_t(grid, starts)
+  dends, ds0 = _walk_back(keeps, own, _state_t(grid, dstate))
+  drates_keep, dt_keep = keeps_vjp(jnp.sum(dends * starts, axis=(-2, -1)))
+  args = (xt, c_in, bd_in, t_in, rates, weights, dy_in)
+  dx, dc, dbd, dt_a, dmodes = _intra(k_all, interpret, *args)
+  dx_s, dc_s, dbd_s, dt_b, dmodes_s = _state_grads(
+      k, interpret, *args, starts.astype(k.low), dends.astype(k.low))
   tokens = lambda a, b: (jnp.sum(a, axis=1) + jnp.sum(b, axis=1))[:, :plan.length]
   dt_a, dt_b = jnp.sum(dt_a, axis=1), jnp.sum(dt_b, axis=1)
   ends = jnp.sum(dt_b[:, 1].reshape(k.groups, grid.chunks, CHUNK), axis=-1)
   dt_kernel = (dt_a[:, 0] + dt_a[:, 1] + dt_b[:, 0]).reshape(k.groups, grid.chunks, CHUNK)
-  dt_kernel = dt_kernel.at[:, :, -1].add(ends).reshape(k.groups, grid.length)
+  dt_kernel = dt_kernel.at[:, :, -1].add(ends).reshape(k.groups, grid.length) + dt_keep
   # t was padded with its last value: that value's cotangent collects the padding's.
   _, pad_vjp = jax.vjp(lambda a: _pad_tokens(grid, a, mode="edge"), t[..., 0])
   (dt,) = pad_vjp(dt_kernel)
-  dmodes = jnp.sum(dmodes, axis=1) + dmodes_s                         # over the chunks
-  dmodes = jnp.sum(dmodes, axis=(1, 4))[:, :, None]                  # [G, 2, 1, m_pad]
+  dmodes = jnp.sum(dmodes + dmodes_s, axis=(1, 2, 5))             # [G, 2 (w, r), m_pad]
   return (tokens(dx, dx_s)[..., :plan.p], tokens(dbd, dbd_s), tokens(dc, dc_s), dt[..., None],
-          Modes(dmodes[:, 1], dmodes[:, 0]), _state_shared(grid, ds0))
+          Modes((dmodes[:, 1] + drates_keep)[:, None], dmodes[:, None, 0]),
+          _state_shared(grid, ds0))
 
 
 class _Grads:
-  """The backward kernels' per-token outputs and their staging buffers: dx [Q, 64] (this
-  mode block's share), dc and dbd [Q, N] and two [Q] vectors of t (this program's share);
-  and the per-mode vectors [2, m_block, 64] (weights, rates) written once at the end, per
-  chunk where a program has one chunk."""
+  """The backward kernels' outputs and their staging buffers: per chunk dx [Q, 64] (this
+  mode block's share), dc and dbd [Q, N] and two [Q] vectors of t (this program's share),
+  and the per-mode vectors [2, m_block, Q] (weights, rates) that the kernel writes into the
+  last buffer before `write`."""
 
-  def __init__(self, k: _Kernel, per_chunk: bool):
+  def __init__(self, k: _Kernel):
     self.k = k
     q, w, n, groups, grid = CHUNK, COLUMNS, k.n, k.groups, k.grid
     shares = grid.p // w * grid.m_blocks
     tokens = (groups, shares, grid.length)
-    chunks = (grid.chunks,) if per_chunk else ()
     self.out_type = [_f32((groups, grid.m_blocks, grid.length, grid.p)), _f32(tokens + (n,)),
                      _f32(tokens + (n,)), _f32((groups, shares, 2, grid.length)),
-                     _f32((groups,) + chunks + (grid.p // w, 2, k.plan.m_pad, q))]
+                     _f32((groups, grid.chunks, grid.p // w, 2, k.plan.m_pad, q))]
     self.scratch = [k.staging((q, w)), k.staging((q, n)), k.staging((q, n)),
                     k.plgpu.SMEM((2, q), _F32), k.plgpu.SMEM((2, k.mb, q), _F32)]
 
-  def write_chunk(self, refs, bufs, i, dx, dc, dbd, dt0, dt1):
-    """Copies chunk i's results out (after the previous chunk's copies have read the
-    buffers)."""
+  def write(self, refs, bufs, dx, dc, dbd, dt0, dt1):
+    """Copies this chunk's results out (the mode vectors from bufs[4])."""
     plgpu, k = self.k.plgpu, self.k
-    dx_ref, dc_ref, dbd_ref, dt_ref = refs[:4]
-    dx_s, dc_s, dbd_s, dt_s = bufs[:4]
-    g, pb, mb = lax.axis_index("g"), lax.axis_index("pb"), lax.axis_index("mb")
-    share, tokens = pb * k.grid.m_blocks + mb, pl.ds(i * CHUNK, CHUNK)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    dx_s, dc_s, dbd_s, dt_s, modes_s = bufs
+    g, pb, mb, chunk = (lax.axis_index(a) for a in ("g", "pb", "mb", "c"))
+    share, tokens = pb * k.grid.m_blocks + mb, pl.ds(chunk * CHUNK, CHUNK)
     dx_s[...], dc_s[...], dbd_s[...] = dx, dc, dbd
     dt_s[0], dt_s[1] = dt0, dt1
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(dx_s, dx_ref.at[g, mb, tokens, k.columns()])
-    plgpu.copy_smem_to_gmem(dc_s, dc_ref.at[g, share, tokens])
-    plgpu.copy_smem_to_gmem(dbd_s, dbd_ref.at[g, share, tokens])
-    plgpu.copy_smem_to_gmem(dt_s, dt_ref.at[g, share, :, tokens])
-
-  def write_modes(self, ref, buf, dweights, drates):
-    """Into ref [P64 / 64, 2, m_pad, 64] (this group's, or this group's and chunk's)."""
-    plgpu = self.k.plgpu
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    for j, (dw, dr) in enumerate(zip(dweights, drates)):
-      buf[0, j], buf[1, j] = dw, dr
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(buf, ref.at[lax.axis_index("pb"), :, self.k.modes()])
+    plgpu.copy_smem_to_gmem(dx_s, refs[0].at[g, mb, tokens, k.columns()])
+    plgpu.copy_smem_to_gmem(dc_s, refs[1].at[g, share, tokens])
+    plgpu.copy_smem_to_gmem(dbd_s, refs[2].at[g, share, tokens])
+    plgpu.copy_smem_to_gmem(dt_s, refs[3].at[g, share, :, tokens])
+    plgpu.copy_smem_to_gmem(modes_s, refs[4].at[g, chunk, pb, :, k.modes()])
 
 
 def _zeros(plgpu, axis):
@@ -507,120 +507,84 @@ def _intra(k: _Kernel, interpret, *args):
   """Inside each chunk: dx = (cb Lmix)^T dy, dc = (dscores Lmix) bd, dbd = (dscores Lmix)^T c
   with dscores = dy x^T, and the cotangents through Lmix = sum_j w_j exp(-r_j delta):
   of w_j, r_j, and of t (d(delta)'s row sums at t_t, minus its column sums at t_tau).
-  Nothing is carried between chunks: a program per chunk (grid axis "c") and all modes
-  (k), so the GPU is full however few the groups (a one-step pipeline: its TMA copies and
-  buffers); each mode's vectors go to shared memory as they are made."""
-  plgpu, q, w, n, mb_size = k.plgpu, CHUNK, COLUMNS, k.n, k.mb
-  out = _Grads(k, per_chunk=True)
+  All modes (k); each mode's vectors go to shared memory as they are made."""
+  plgpu, q, n = k.plgpu, CHUNK, k.n
+  out = _Grads(k)
 
   def kernel(xt_ref, c_ref, bd_ref, t_ref, rates_ref, weights_ref, dy_ref, *rest):
-    refs, (pm_s, dcb_s, *bufs, _) = rest[:5], rest[5:]
-    g, pb, chunk = lax.axis_index("g"), lax.axis_index("pb"), lax.axis_index("c")
-    dmodes_s = bufs[4]
+    refs, (pm_s, dcb_s, *bufs) = rest[:5], rest[5:]
+    g, modes_s = lax.axis_index("g"), bufs[4]
 
-    def step(_, xt_s, c_s, bd_s, t_s, dy_s):
+    def step(xt_s, c_s, bd_s, t_s, dy_s):
       dec = k.decays(t_s, rates_ref, weights_ref)
-      lmix = dec.lmix(mb_size)
+      lmix = dec.lmix(k.mb)
       cb, dscores = products(plgpu, (q, q), [(c_s, bd_s.transpose((1, 0))), (dy_s, xt_s)])
       store_operands(plgpu, [(pm_s, cb * lmix), (dcb_s, dscores * lmix)])
       dlmix = jnp.where(dec.causal, dscores * cb, 0.0)
       dt_rows, dt_cols = _zeros(plgpu, 1), _zeros(plgpu, 0)
-      for j in range(mb_size):
+      for j in range(k.mb):
         rate, weight = dec.mode(j)
         gl = dlmix * dec.decay(rate)
         rows = jnp.sum(gl, axis=1)
-        dmodes_s[0, j] = rows
-        dmodes_s[1, j] = -weight * jnp.sum(gl * dec.delta, axis=1)
+        modes_s[0, j] = rows
+        modes_s[1, j] = -weight * jnp.sum(gl * dec.delta, axis=1)
         dt_rows -= (weight * rate) * rows
         dt_cols += (weight * rate) * jnp.sum(gl, axis=0)
       dc, dbd = products(plgpu, (q, n), [(dcb_s, bd_s), (dcb_s.transpose((1, 0)), c_s)])
-      (dx,) = products(plgpu, (q, w), [(pm_s.transpose((1, 0)), dy_s)])
-      out.write_chunk(refs, bufs, chunk, dx, dc, dbd, dt_rows, dt_cols)  # fences dmodes_s too
-      plgpu.copy_smem_to_gmem(dmodes_s, refs[4].at[g, chunk, pb])
+      (dx,) = products(plgpu, (q, COLUMNS), [(pm_s.transpose((1, 0)), dy_s)])
+      out.write(refs, bufs, dx, dc, dbd, dt_rows, dt_cols)
 
-    plgpu.emit_pipeline(
-        step, grid=(1,),
-        in_specs=k.token_specs(lambda i: chunk + i) + [k.spec((q, w), lambda i: (chunk + i, pb))],
-    )(xt_ref.at[g], c_ref.at[g], bd_ref.at[g], t_ref.at[g], dy_ref.at[g])
-    plgpu.wait_smem_to_gmem(0)
+    k.chunk_tiles(step, tuple(r.at[g] for r in (xt_ref, c_ref, bd_ref, t_ref, dy_ref)),
+                  ("xt", "c", "bd", "t", "dy"))
 
   scratch = [k.operand((q, q)), k.operand((q, q))] + out.scratch
-  return k.call(kernel, out.out_type, scratch, "frac_scan_bwd_intra", interpret, *args,
-                per_chunk=True)
+  return k.call(kernel, out.out_type, scratch, "frac_scan_bwd_intra", interpret, *args)
 
 
-def _through_states(k: _Kernel, interpret, *args):
-  """The state terms, chunk by chunk from the last, from the chunk-start states S_j and
-  the carried cotangents dS_j (transposed, [64, N]): for y += (c * w_j e^{-r_j t}) S_j and
-  S_j' = e^{-r_j t_Q} S_j + (bd * e^{-r_j (t_Q - t)})^T x, the cotangents of c, bd, x, the
-  decays (into w_j, r_j, t) and S_j."""
-  plgpu, grid, q, w, n, mb_size = k.plgpu, k.grid, CHUNK, COLUMNS, k.n, k.mb
-  out = _Grads(k, per_chunk=False)
-  last = grid.chunks - 1
+def _state_grads(k: _Kernel, interpret, *args):
+  """Per chunk, given its start states S_j and its end states' cotangents dE_j (both
+  transposed [64, N], in the input dtype), the cotangents of c, bd, x and the decays (into
+  w_j, r_j, t) through y += (c * w_j e^{-r_j t}) S_j and
+  E_j = e^{-r_j t_Q} S_j + (bd * e^{-r_j (t_Q - t)})^T x (the keep decays' are XLA's)."""
+  plgpu, q, w, n = k.plgpu, CHUNK, COLUMNS, k.n
+  out = _Grads(k)
 
-  def kernel(xt_ref, c_ref, bd_ref, t_ref, rates_ref, weights_ref, dy_ref, starts_ref, ds_ref,
+  def kernel(xt_ref, c_ref, bd_ref, t_ref, rates_ref, weights_ref, dy_ref, s_ref, ds_ref,
              *rest):
-    refs, ds0_ref = rest[:5], rest[5]
-    st_s, dst_s, cg_s, bo_s, *bufs, f32_s, bar = rest[6:]
-    g, pb, mb = lax.axis_index("g"), lax.axis_index("pb"), lax.axis_index("mb")
+    refs, (bo_s, *bufs) = rest[:5], rest[5:]
+    g, modes_s = lax.axis_index("g"), bufs[4]
 
-    def step(idx, xt_s, c_s, bd_s, t_s, dy_s, start_s, carry):
-      dstates, dweights, drates = (list(c) for c in carry)
+    def step(xt_s, c_s, bd_s, t_s, dy_s, s_s, ds_s):
       dec = k.decays(t_s, rates_ref, weights_ref)
       c_f, bd_f = _load(plgpu, c_s), _load(plgpu, bd_s)
       dc = dbd = 0.0
       dt_rows, dt_end = _zeros(plgpu, 1), _zeros(plgpu, 1)
-      for j in range(mb_size):
-        state = plgpu.load(start_s.at[j], layout=plgpu.Layout.WGMMA)
-        store_operands(plgpu, [(st_s.at[j], state), (dst_s.at[j], dstates[j])])
-        d_c_in, d_bd_out = products(plgpu, (q, n), [(dy_s, st_s.at[j]),
-                                                     (xt_s.transpose((1, 0)), dst_s.at[j])])
+      for j in range(k.mb):
+        d_c_in, d_bd_out = products(plgpu, (q, n), [(dy_s, s_s.at[j]),
+                                                     (xt_s.transpose((1, 0)), ds_s.at[j])])
         rate, weight = dec.mode(j)
-        grow, out_of, keep = dec.grow(rate), dec.out_of(rate, dec.t), dec.keep(rate)
+        grow, out_of = dec.grow(rate), dec.out_of(rate, dec.t)
         into = weight * grow
         # y += (c * into) S_j
         dc += d_c_in * _rows(into, (q, n))
         d_into = jnp.sum(d_c_in * c_f, axis=1)
-        # S_j' = keep S_j + (bd * out_of)^T x
+        # E_j = keep S_j + (bd * out_of)^T x
         dbd += d_bd_out * _rows(out_of, (q, n))
-        store_operands(plgpu, [(cg_s.at[j], c_f * _rows(into, (q, n))),
-                       (bo_s.at[j], bd_f * _rows(out_of, (q, n)))])
+        store_operands(plgpu, [(bo_s.at[j], bd_f * _rows(out_of, (q, n)))])
         # Through the decays: g = (cotangent of a decay) * (that decay).
         g_in = d_into * into
         g_out = jnp.sum(d_bd_out * bd_f, axis=1) * out_of
-        g_keep = jnp.sum(state * dstates[j], axis=1) * keep   # [64 columns]; its total
-        dweights[j] += d_into * grow
-        drates[j] -= g_in * dec.t + g_out * (dec.t_end - dec.t) + g_keep * dec.t_end
+        modes_s[0, j] = d_into * grow
+        modes_s[1, j] = -(g_in * dec.t + g_out * (dec.t_end - dec.t))
         dt_rows += (g_out - g_in) * rate
-        dt_end -= (g_out + g_keep) * rate
+        dt_end -= g_out * rate
+      dx = product_sum(plgpu, (q, w), [(bo_s.at[j], ds_s.at[j].transpose((1, 0)))
+                                        for j in range(k.mb)])
+      out.write(refs, bufs, dx, dc, dbd, dt_rows, dt_end)
 
-      def dx_run(acc):
-        for j in range(mb_size):
-          plgpu.wgmma(acc, bo_s.at[j], dst_s.at[j].transpose((1, 0)))
-        return acc[...]
+    tiles = (xt_ref, c_ref, bd_ref, t_ref, dy_ref, s_ref, ds_ref)
+    k.chunk_tiles(step, tuple(r.at[g] for r in tiles),
+                  ("xt", "c", "bd", "t", "dy", "states", "states"))
 
-      dx = pl.run_scoped(dx_run, plgpu.ACC((q, w), _F32))
-      news = products(plgpu, (w, n), [(dy_s.transpose((1, 0)), cg_s.at[j])
-                                       for j in range(mb_size)])
-      out.write_chunk(refs, bufs, last - idx[0], dx, dc, dbd, dt_rows, dt_end)
-      dstarts = tuple(dec.keep(dec.mode(j)[0]) * d + new
-                      for j, (d, new) in enumerate(zip(dstates, news)))
-      return dstarts, tuple(dweights), tuple(drates)
-
-    zeros = (_zeros(plgpu, 1),) * mb_size
-    dstates, dweights, drates = plgpu.emit_pipeline(
-        step, grid=(grid.chunks,),
-        in_specs=k.token_specs(lambda i: last - i) + [
-            k.spec((q, w), lambda i: (last - i, pb)),
-            k.spec((None, mb_size, w, n), lambda i: (last - i, mb, pb, 0), _F32)],
-        max_concurrent_steps=k.stages,
-        init_carry=(k.load_states(ds_ref.at[g], f32_s, bar), zeros, zeros),
-    )(xt_ref.at[g], c_ref.at[g], bd_ref.at[g], t_ref.at[g], dy_ref.at[g], starts_ref.at[g])
-    out.write_modes(refs[4].at[g], bufs[4], dweights, drates)
-    k.write_states(dstates, ds0_ref.at[g], f32_s)
-
-  out_type = out.out_type + [_f32((k.groups, k.plan.m_pad, grid.p, n))]
-  scratch = ([k.operand((mb_size, w, n)), k.operand((mb_size, w, n)),
-              k.operand((mb_size, q, n)), k.operand((mb_size, q, n))] + out.scratch
-             + [k.staging((mb_size, w, n))])
-  return k.call(kernel, out_type, scratch, "frac_scan_bwd_states", interpret, *args)
+  scratch = [k.operand((k.mb, q, n))] + out.scratch
+  return k.call(kernel, out.out_type, scratch, "frac_scan_bwd_states", interpret, *args)
