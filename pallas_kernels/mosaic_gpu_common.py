@@ -11,8 +11,8 @@ Two tensor-core generations, chosen per chip when a kernel is traced (`blackwell
   the start: the first MMA into one overwrites it); one thread issues the MMAs, a barrier
   that orders the tensor core says when they are done, and the results are loaded from
   tensor memory into registers. M of every MMA is 64 or 128 (a tile's row count).
-The bodies are written once against `accumulators`, `mma`, `mma_wait`, `read` and
-`products`, which issue the chip's instructions.
+The bodies are written once against `accumulators`, `mma`, `mma_wait`, `read`, `products`
+and `product_sum`, which issue the chip's instructions.
 """
 
 from __future__ import annotations

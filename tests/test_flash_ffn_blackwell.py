@@ -81,6 +81,7 @@ def check_against_independent(dtype):
                     name=FFN_NAMES)
 
 
+@pytest.mark.slow  # the same body as bf16's (run by default), 16 s in its interpreter
 def test_forward_and_grads_f32():
   check_against_independent(F32)
 

@@ -25,15 +25,16 @@ pytestmark = needs_mosaic_gpu
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 # (Bt, L, H, P, N, M). The default: 3 chunks of 64 (the last partial), P = 70 in two
-# 64-column blocks (the second mostly padding), N = 5 padded to 16, M = 5 padded to 8 (four
-# blocks of 2, the last all padding).
+# 64-column blocks (the second mostly padding), N = 5 padded to 16, M = 5 padded to 8 (the
+# backward's state terms in two blocks of 4, the second mostly padding).
 SHAPE = (1, 150, 2, 70, 5, 5)
 # A sequence shorter than a chunk (the plan's 32-token chunk, padded to 64 inside the
 # kernel: the only case of the kernel's own token padding, so it runs by default too).
 SHORT = (1, 20, 1, 8, 3, 2)
-# One 64-token chunk holding the whole (odd) sequence, with P, N exact and 16 modes (8
-# blocks); two full chunks and P = 130 (padded to 256: four column blocks), 3 modes; N = 20 (padded to
-# 32: two modes per program; 6 modes padded to 8, so four mode blocks, the last all padding).
+# One 64-token chunk holding the whole (odd) sequence, with P, N exact and 16 modes (4
+# blocks); two full chunks and P = 130 (padded to 256: four column blocks), 3 modes; N = 20
+# (padded to 32: two modes per program and per own-states matmul batch; 6 modes padded to 8,
+# so four mode blocks, the last all padding).
 SLOW_SHAPES = [(2, 37, 1, 64, 16, 16), (1, 128, 1, 130, 16, 3), (1, 100, 1, 64, 20, 6)]
 # f32: measured here outputs <= 3.6e-7, gradients <= 4.6e-7, so 2e-6 (tighter than
 # tests/test_frac_independent.py's shared 1e-5: a dropped small term shows). bf16 (x, b, c in bf16, the rest float32), measured over these shapes: y <= 4.5e-3
@@ -77,7 +78,7 @@ def check_kernel(shape, dtype):
 
   (y, state), grads = jax.jit(run)(*args)
   assert y.dtype == dtype and state.dtype == F32
-  # Without a gradient the forward kernel saves no chunk-start states; the rest is the same.
+  # Without a gradient the forward returns no chunk-start states; the rest is the same.
   np.testing.assert_array_equal(np.asarray(jax.jit(op)(*args)[0], np.float32),
                                 np.asarray(y, np.float32))
   exact = [as_f64(a) for a in args]
@@ -142,11 +143,13 @@ def test_auto_picks_the_gpu_kernel_per_chip(device_kind, dtype, chunk, backend):
 
 @pytest.mark.parametrize("shape, chunk, match", [
     (SHAPE, 32, "backend='mosaic_gpu' needs `chunk`=64 .* got chunk 32"),
-    ((1, 70, 1, 8, 33, 2), None, "backend='mosaic_gpu' needs N <= 32 .* got 64")],
-    ids=["chunk", "n"])
+    ((1, 70, 1, 8, 33, 2), None, "backend='mosaic_gpu' needs N <= 32 .* got 64"),
+    ((1, 70, 1, 8, 20, 33), None, r"backend='mosaic_gpu' needs modes x N <= 1024 .* got 36 x 32")],
+    ids=["chunk", "n", "modes"])
 def test_forced_mosaic_gpu_names_what_it_cannot_serve(shape, chunk, match):
-  """Mosaic GPU's chunk is 64 tokens (WGMMA's M), its N at most 32: another chunk over
-  several chunks, or a wider N, is a clear error when the backend is forced."""
+  """Mosaic GPU's chunk is 64 tokens (WGMMA's M), its N at most 32 and its padded modes x N
+  at most what the outputs kernel's shared memory holds: anything else is a clear error
+  when the backend is forced (backend=None takes Triton then)."""
   inputs, _, _ = _case(shape)
   args = tuple(cast(a, t) for a, t in zip(inputs, DTYPES[BF16], strict=True))
   with pytest.raises(ValueError, match=match):

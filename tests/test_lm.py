@@ -135,7 +135,7 @@ def test_query_chunks_attend_as_the_dense_form():
   def grads(layer):
     graphdef, state = nnx.split(layer)
     loss = lambda s, x: jnp.sum(jnp.sin(nnx.merge(graphdef, s)(x)))
-    return jax.tree.leaves(jax.grad(loss, argnums=(0, 1))(state, jnp.asarray(x)))
+    return jax.tree.leaves(jax.jit(jax.grad(loss, argnums=(0, 1)))(state, jnp.asarray(x)))
   for g, g_dense in zip(grads(chunked), grads(dense), strict=True):
     np.testing.assert_allclose(g, g_dense, rtol=1e-4,
                                atol=1e-5 * float(jnp.max(jnp.abs(g_dense))))
@@ -187,8 +187,8 @@ def test_remat_recomputes_blocks_with_the_same_gradients():
     return (lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)), state
   loss, state = setup(False)
   loss_remat, state_remat = setup(True)
-  for a, b in zip(jax.tree.leaves(jax.grad(loss)(state)),
-                  jax.tree.leaves(jax.grad(loss_remat)(state_remat))):
+  for a, b in zip(jax.tree.leaves(jax.jit(jax.grad(loss))(state)),
+                  jax.tree.leaves(jax.jit(jax.grad(loss_remat))(state_remat))):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(a))))
 
 

@@ -103,9 +103,11 @@ def test_kernel_matches_the_independent_reference(body, case, dtype):
              _beta(case), {"f32": F32, "bf16": BF16}[dtype])
 
 
+# slow (40 s in its interpreter): the default run checks the Hopper body at one level
+# (tests/test_pack3d_mosaic_gpu.py) and the level tables on the other bodies.
 @needs_mosaic_gpu
-@pytest.mark.parametrize("dtype", [F32, pytest.param(BF16, marks=pytest.mark.slow)],
-                         ids=["f32", "bf16"])
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_mosaic_gpu_body_matches_the_independent_reference(dtype):
   """The Hopper body (64-slot cubes, its interpreter with the race detector) on the layout of
   `tests/test_pack3d_mosaic_gpu` ((4, 3, 4) cubes, two batch entries, odd fields), 3 levels

@@ -10,11 +10,11 @@ chunk c (E_{-1} the initial state) and dE_c their cotangents::
 
   forward   own_c,j  = x^T (bd * e^{-r_j (t_Q - t)})      [64, N]   `_own_states`
             E_c,j    = e^{-r_j t_Q} E_{c-1},j + own_c,j              `_walk` (XLA)
-            y_c      = ((c bd^T) * Lmix) x + sum_j (c * w_j e^{-r_j t}) E_{c-1},j   `_outputs`
+            y_c      = ((c bd^T) * Lmix) x + sum_j (c * w_j e^{-r_j t}) E_{c-1},j^T `_outputs`
   backward  own'_c,j = dy^T (c * w_j e^{-r_j t})          [64, N]   `_own_states`
             dE_{c-1} = e^{-r_j t_Q} dE_c + own'_c                    `_walk_back` (XLA)
             the terms inside each chunk, through cb and Lmix         `_intra`
-            the terms through E_{c-1} and own_c, given both          `_state_grads`
+            the terms through E_{c-1} and own_c, given E_{c-1}, dE_c `_state_grads`
             the keep decays e^{-r_j t_Q}: sum(dE_c * E_{c-1}), differentiated by JAX
 
 So every kernel fills the GPU however few the groups (B x H x chunks programs), and no
@@ -48,23 +48,34 @@ from jax.experimental import pallas as pl
 from jaxops import tiling
 from jaxops.frac_chunk import Modes, TilePlan
 from pallas_kernels.dispatch import mosaic_gpu_module
-from pallas_kernels.mosaic_gpu_common import (interpret_params, product_sum, products,
-                                              smem_transforms, store_operands)
+from pallas_kernels.mosaic_gpu_common import (accumulators, interpret_params, mma, mma_wait,
+                                              product_sum, products, read, smem_transforms,
+                                              store_operands)
 
 _F32 = jnp.float32
 CHUNK = 64     # tokens per chunk: WGMMA's M
 COLUMNS = 64   # columns of P per program: M of the state update
 
 
+# The outputs kernel holds every mode's start states [64, N] in shared memory (16-bit): at
+# most this many modes x N, 128 KiB of the 227 KiB a block may have (with its other buffers,
+# 37 KiB, and `_MODES_PER_WAIT` modes' operands, up to 32 KiB).
+MAX_MODES_X_N = 1024
+_MODES_PER_WAIT = 8
+
+
 def unsupported(plan: TilePlan) -> str | None:
   """Why the kernel cannot serve this plan (None: it can). It needs 64-token chunks (or one
-  chunk holding the whole sequence) and N <= 32 (N = 64's float32 state blocks would take
-  TMA copies of more dimensions than it has)."""
+  chunk holding the whole sequence), N <= 32 (the widths its registers and shared memory
+  were compile-checked for) and padded modes x N <= MAX_MODES_X_N."""
   if not (plan.chunk == CHUNK or (plan.num_chunks == 1 and plan.chunk < CHUNK)):
     return (f"needs `chunk`={CHUNK} (or a sequence of at most one chunk), got chunk "
             f"{plan.chunk}")
   if plan.n > 32:
     return f"needs N <= 32 (the last dim of `b`), got {plan.n} after padding to a power of two"
+  if plan.m_pad * plan.n > MAX_MODES_X_N:
+    return (f"needs modes x N <= {MAX_MODES_X_N} (every mode's states in shared memory), got "
+            f"{plan.m_pad} x {plan.n} after padding")
   return None
 
 
@@ -115,7 +126,7 @@ def _pad_tokens(grid: _Grid, a, mode="constant"):
 
 
 def _columns_t(grid: _Grid, a):
-  """[G, Lp, p] -> [G, P64, length]: x (or dy) transposed, zero-padded."""
+  """[G, Lp, p] -> [G, P64, length]: x transposed, zero-padded."""
   a = _pad_tokens(grid, a)
   return jnp.pad(jnp.swapaxes(a, 1, 2), ((0, 0), (0, grid.p - a.shape[2]), (0, 0)))
 
@@ -192,10 +203,9 @@ class _Decays:
     """e^{-r t} [Q] (rows): from the chunk start to token t."""
     return jnp.exp(-rate * self.t)
 
-  def out_of(self, rate, t):
-    """e^{-r (t_Q - t)}: from token t to the chunk end, on the layout of `t`."""
-    return jnp.exp(-rate * (self.t_end - t))
-
+  def out_of(self, rate):
+    """e^{-r (t_Q - t)} [Q] (rows): from token t to the chunk end."""
+    return jnp.exp(-rate * (self.t_end - self.t))
 
 
 def _lane_params(plgpu):
@@ -331,14 +341,14 @@ def _walk_back(keeps, own, dfinal):
 # Each chunk's own states (forward) and own state cotangents (backward).
 # ----------------------------------------------------------------------------
 
-def _own_states(k: _Kernel, interpret, backward: bool, cols, tokens, t, rates, weights):
+def _own_states(k: _Kernel, interpret, cols, tokens, t, rates, weights, *, backward: bool):
   """Per chunk and mode j, transposed [64, N]: x^T (bd * e^{-r_j (t_Q - t)}) (forward:
   `cols` x^T, `tokens` bd), the chunk's contribution to its end states; or dy^T (c * w_j
   e^{-r_j t}) (backward: `cols` dy, `tokens` c), its outputs' cotangent of its start states.
-  All modes in a program (k), max(1, 64 / N) accumulators at a time. Returns
-  [G, chunks, m_pad, P64, N] float32."""
+  All modes in a program (k), `at_once` = 64 / N accumulators [64, N] at a time (32
+  registers a thread). Returns [G, chunks, m_pad, P64, N] float32."""
   plgpu, q, w, n = k.plgpu, CHUNK, COLUMNS, k.n
-  group = min(k.mb, max(1, 64 // n))
+  at_once = min(k.mb, max(1, 64 // n))
 
   def kernel(cols_ref, tok_ref, t_ref, rates_ref, weights_ref, out_ref, op_s, f32_s):
     g, chunk = lax.axis_index("g"), lax.axis_index("c")
@@ -347,15 +357,15 @@ def _own_states(k: _Kernel, interpret, backward: bool, cols, tokens, t, rates, w
       dec = k.decays(t_s, rates_ref, weights_ref)
       tok_f = _load(plgpu, tok_s)
       a = cols_s.transpose((1, 0)) if backward else cols_s
-      for j0 in range(0, k.mb, group):
+      for j0 in range(0, k.mb, at_once):
         scales = []
-        for j in range(j0, min(j0 + group, k.mb)):
+        for j in range(j0, min(j0 + at_once, k.mb)):
           rate, weight = dec.mode(j)
-          scales.append(weight * dec.grow(rate) if backward else dec.out_of(rate, dec.t))
+          scales.append(weight * dec.grow(rate) if backward else dec.out_of(rate))
         store_operands(plgpu, [(op_s.at[i], tok_f * _rows(s, (q, n)))
                                for i, s in enumerate(scales)])
         news = products(plgpu, (w, n), [(a, op_s.at[i]) for i in range(len(scales))])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last group's copy read f32_s
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last copy out has read f32_s
         for i, s in enumerate(news):
           f32_s[i] = s
         plgpu.commit_smem()
@@ -367,7 +377,7 @@ def _own_states(k: _Kernel, interpret, backward: bool, cols, tokens, t, rates, w
 
   grid = k.grid
   out_type = _f32((k.groups, grid.chunks, k.plan.m_pad, grid.p, n))
-  scratch = [k.operand((group, q, n)), k.staging((group, w, n))]
+  scratch = [k.operand((at_once, q, n)), k.staging((at_once, w, n))]
   name = "frac_scan_bwd_own" if backward else "frac_scan_fwd_own"
   return k.call(kernel, out_type, scratch, name, interpret, cols, tokens, t, rates, weights)
 
@@ -384,7 +394,7 @@ def forward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, state,
   grid = k.grid
   xt, c_in, bd_in, t_in = _inputs(grid, x, bd, c, t)
   rates, weights = modes.rates[:, 0], modes.weights[:, 0]
-  own = _own_states(k, interpret, False, xt, bd_in, t_in, rates, weights)
+  own = _own_states(k, interpret, xt, bd_in, t_in, rates, weights, backward=False)
   starts, final = _walk(_keeps(grid, rates, t_in), own, _state_t(grid, state))
   y = _outputs(k, interpret, xt, c_in, bd_in, t_in, rates, weights, starts.astype(k.low))
   y = y[:, :plan.length, :plan.p].astype(k.low)
@@ -393,8 +403,10 @@ def forward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, state,
 
 def _outputs(k: _Kernel, interpret, *args):
   """y = (cb * Lmix) x + sum_j (c * w_j e^{-r_j t}) S_j per chunk (cb = c bd^T; S_j the
-  chunk-start states in the input dtype), one accumulator over all modes (k)."""
+  chunk-start states in the input dtype), one accumulator over all modes (k); the operands
+  c * w_j e^{-r_j t} go through one buffer of `_MODES_PER_WAIT` modes."""
   plgpu, q, w, n = k.plgpu, CHUNK, COLUMNS, k.n
+  per_wait = min(k.mb, _MODES_PER_WAIT)
 
   def kernel(xt_ref, c_ref, bd_ref, t_ref, rates_ref, weights_ref, s_ref, y_ref, pm_s, cg_s,
              y_s):
@@ -402,22 +414,33 @@ def _outputs(k: _Kernel, interpret, *args):
 
     def step(xt_s, c_s, bd_s, t_s, s_s):
       dec = k.decays(t_s, rates_ref, weights_ref)
-      c_f = _load(plgpu, c_s)
-      for j in range(k.mb):  # each stored as made: 16 modes' [Q, N] would fill the registers
-        rate, weight = dec.mode(j)
-        cg_s[j] = (c_f * _rows(weight * dec.grow(rate), (q, n))).astype(k.low)
       (cb,) = products(plgpu, (q, q), [(c_s, bd_s.transpose((1, 0)))])
-      store_operands(plgpu, [(pm_s, cb * dec.lmix(k.mb))])  # fences cg_s too
-      y = product_sum(plgpu, (q, w), [(pm_s, xt_s.transpose((1, 0)))] + [
-          (cg_s.at[j], s_s.at[j].transpose((1, 0))) for j in range(k.mb)])
-      y_s[...] = y
+      store_operands(plgpu, [(pm_s, cb * dec.lmix(k.mb))])
+      c_f = _load(plgpu, c_s)
+
+      def run(acc):
+        mma(plgpu, acc, pm_s, xt_s.transpose((1, 0)), accumulate=False)
+        for j0 in range(0, k.mb, per_wait):
+          modes = range(j0, min(j0 + per_wait, k.mb))
+          if j0:
+            mma_wait(plgpu, acc)  # the last modes' operands have been read
+          for i, j in enumerate(modes):  # each stored as made: few registers
+            rate, weight = dec.mode(j)
+            cg_s[i] = (c_f * _rows(weight * dec.grow(rate), (q, n))).astype(k.low)
+          plgpu.commit_smem()
+          for i, j in enumerate(modes):
+            mma(plgpu, acc, cg_s.at[i], s_s.at[j].transpose((1, 0)))
+        mma_wait(plgpu, acc)
+        return read(plgpu, acc)[0]
+
+      y_s[...] = accumulators(plgpu, run, (q, w))
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(y_s, y_ref.at[g, pl.ds(chunk * CHUNK, CHUNK), k.columns()])
 
     k.chunk_tiles(step, (xt_ref.at[g], c_ref.at[g], bd_ref.at[g], t_ref.at[g], s_ref.at[g]),
                   ("xt", "c", "bd", "t", "states"))
 
-  scratch = [k.operand((q, q)), k.operand((k.mb, q, n)), k.staging((q, w))]
+  scratch = [k.operand((q, q)), k.operand((per_wait, q, n)), k.staging((q, w))]
   return k.call(kernel, _f32((k.groups, k.grid.length, k.grid.p)), scratch,
                 "frac_scan_fwd_out", interpret, *args)
 
@@ -442,14 +465,14 @@ def backward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, start
   xt, c_in, bd_in, t_in = _inputs(grid, x, bd, c, t)
   dy_in = jnp.pad(_pad_tokens(grid, dy), ((0, 0), (0, 0), (0, grid.p - plan.p))).astype(k.low)
   rates, weights = modes.rates[:, 0], modes.weights[:, 0]
-  own = _own_states(k_all, interpret, True, dy_in, c_in, t_in, rates, weights)
+  own = _own_states(k_all, interpret, dy_in, c_in, t_in, rates, weights, backward=True)
   keeps, keeps_vjp = jax.vjp(functools.partial(_keeps, grid), rates, t_in)
   starts = _state_t(grid, starts)
   dends, ds0 = _walk_back(keeps, own, _state_t(grid, dstate))
   drates_keep, dt_keep = keeps_vjp(jnp.sum(dends * starts, axis=(-2, -1)))
   args = (xt, c_in, bd_in, t_in, rates, weights, dy_in)
   dx, dc, dbd, dt_a, dmodes = _intra(k_all, interpret, *args)
-  dx_s, dc_s, dbd_s, dt_b, dmodes_s = _state_grads(
+  dx_st, dc_st, dbd_st, dt_b, dmodes_st = _state_grads(
       k, interpret, *args, starts.astype(k.low), dends.astype(k.low))
   tokens = lambda a, b: (jnp.sum(a, axis=1) + jnp.sum(b, axis=1))[:, :plan.length]
   dt_a, dt_b = jnp.sum(dt_a, axis=1), jnp.sum(dt_b, axis=1)
@@ -459,8 +482,8 @@ def backward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, start
   # t was padded with its last value: that value's cotangent collects the padding's.
   _, pad_vjp = jax.vjp(lambda a: _pad_tokens(grid, a, mode="edge"), t[..., 0])
   (dt,) = pad_vjp(dt_kernel)
-  dmodes = jnp.sum(dmodes + dmodes_s, axis=(1, 2, 5))             # [G, 2 (w, r), m_pad]
-  return (tokens(dx, dx_s)[..., :plan.p], tokens(dbd, dbd_s), tokens(dc, dc_s), dt[..., None],
+  dmodes = jnp.sum(dmodes + dmodes_st, axis=(1, 2, 5))             # [G, 2 (w, r), m_pad]
+  return (tokens(dx, dx_st)[..., :plan.p], tokens(dbd, dbd_st), tokens(dc, dc_st), dt[..., None],
           Modes((dmodes[:, 1] + drates_keep)[:, None], dmodes[:, None, 0]),
           _state_shared(grid, ds0))
 
@@ -563,7 +586,7 @@ def _state_grads(k: _Kernel, interpret, *args):
         d_c_in, d_bd_out = products(plgpu, (q, n), [(dy_s, s_s.at[j]),
                                                      (xt_s.transpose((1, 0)), ds_s.at[j])])
         rate, weight = dec.mode(j)
-        grow, out_of = dec.grow(rate), dec.out_of(rate, dec.t)
+        grow, out_of = dec.grow(rate), dec.out_of(rate)
         into = weight * grow
         # y += (c * into) S_j
         dc += d_c_in * _rows(into, (q, n))
