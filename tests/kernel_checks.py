@@ -131,6 +131,11 @@ def assert_bf16_close_to_baseline(actuals, baselines, expected, names) -> None:
                           f"{err_base:.3g} + {BF16_FLOOR}")
 
 
+def vjp_residuals(fn, *args) -> list:
+  """The residuals fn's VJP keeps from its forward (ShapeDtypeStructs: traced only, not run)."""
+  return jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(fn, *a)[1], *args))
+
+
 def sin_loss(op, *args):
   """A non-linear readout of every output of op(*args), so no cotangent is uniform."""
   return sum(jnp.sum(jnp.sin(y.astype(jnp.float32))) for y in jax.tree.leaves(op(*args)))

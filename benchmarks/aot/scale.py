@@ -210,8 +210,9 @@ def peak_breakdown(dump: str, n: int) -> list:
   for line in section.splitlines()[1:]:
     match = re.match(r"[\s│├└─]*(.+?) \([\d.]+%, total: [\d ]+ bytes, current: ([\d ]+) bytes",
                      line)
-    if match and int(match.group(2).replace(" ", "")):
-      sizes[re.sub(r"\{\d+\}$", "", match.group(1))] += int(match.group(2).replace(" ", ""))
+    current = int(match.group(2).replace(" ", "")) if match else 0
+    if current:
+      sizes[re.sub(r"\{\d+\}$", "", match.group(1))] += current
   return [f"{size / 2**20:9,.1f}: {name[:150]}" for name, size in sizes.most_common(n)]
 
 

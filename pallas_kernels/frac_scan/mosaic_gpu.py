@@ -125,10 +125,14 @@ def _pad_tokens(grid: _Grid, a, mode="constant"):
   return jnp.pad(a, pad, mode=mode)
 
 
+def _columns(grid: _Grid, a):
+  """[G, Lp, p] -> [G, length, P64], zero-padded (dy)."""
+  return jnp.pad(_pad_tokens(grid, a), ((0, 0), (0, 0), (0, grid.p - a.shape[2])))
+
+
 def _columns_t(grid: _Grid, a):
   """[G, Lp, p] -> [G, P64, length]: x transposed, zero-padded."""
-  a = _pad_tokens(grid, a)
-  return jnp.pad(jnp.swapaxes(a, 1, 2), ((0, 0), (0, grid.p - a.shape[2]), (0, 0)))
+  return jnp.swapaxes(_columns(grid, a), 1, 2)
 
 
 def _state_t(grid: _Grid, s):
@@ -463,7 +467,7 @@ def backward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, start
   k, k_all = _Kernel(plan, blocks, x), _Kernel(plan, blocks, x, all_modes=True)
   grid = k.grid
   xt, c_in, bd_in, t_in = _inputs(grid, x, bd, c, t)
-  dy_in = jnp.pad(_pad_tokens(grid, dy), ((0, 0), (0, 0), (0, grid.p - plan.p))).astype(k.low)
+  dy_in = _columns(grid, dy).astype(k.low)
   rates, weights = modes.rates[:, 0], modes.weights[:, 0]
   own = _own_states(k_all, interpret, dy_in, c_in, t_in, rates, weights, backward=True)
   keeps, keeps_vjp = jax.vjp(functools.partial(_keeps, grid), rates, t_in)
