@@ -66,6 +66,9 @@ def main(argv=None):
   parser.add_argument("--peak", type=int, default=0,
                       help="also list what is live at the peak: the N largest entries of the "
                            "compiler's stack-trace breakdown (jax op names)")
+  parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                      help="a compiler option for an experiment (repeatable; true / false / "
+                           "an int / text), e.g. xla_tpu_enable_latency_hiding_scheduler=false")
   args = parser.parse_args(argv)
   for key, value in environment(TARGETS["tpu-v5e"]).items():
     os.environ.setdefault(key, value)
@@ -138,7 +141,7 @@ def main(argv=None):
     dump = tempfile.mkdtemp(prefix="scale-") if args.largest or args.peak else None
     compiled = jax.jit(train_step, in_shardings=(state_sh, None), out_shardings=(state_sh, None),
                        donate_argnums=0).lower(state, batch_spec).compile(
-                           {"xla_dump_to": dump} if dump else None)
+                           compiler_options(args.option, dump))
   memory = compiled.memory_analysis()
   gib = lambda b: b / 2**30
   total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
@@ -169,6 +172,17 @@ def main(argv=None):
       print("    " + line)
   if dump:
     shutil.rmtree(dump)
+
+
+def compiler_options(pairs, dump: str | None) -> dict | None:
+  """The compile's options: `--option` NAME=VALUE pairs, and the dump folder if any."""
+  options = {"xla_dump_to": dump} if dump else {}
+  for pair in pairs:
+    name, _, value = pair.partition("=")
+    flag = {"true": True, "false": False}.get(value.lower())
+    options[name] = (flag if flag is not None
+                     else int(value) if value.lstrip("-").isdigit() else value)
+  return options or None
 
 
 def load_config(spec: str):
