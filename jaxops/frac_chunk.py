@@ -145,7 +145,50 @@ def _mode(t, t_end, modes: Modes, j) -> _Mode:
 
 
 # ----------------------------------------------------------------------------
-# Forward and backward of one chunk.
+# The in-chunk terms, shared by both forms.
+# ----------------------------------------------------------------------------
+
+def _intra_forward(x, bd, c, k: _Chunk, low):
+  """((c bd^T) * Lmix) x: the tokens of this chunk, [Q, p] float32."""
+  return _mm(tiling.dot, _mm(tiling.dot_nt, c, bd, low) * k.lmix, x, low)
+
+
+def _intra_backward(x, bd, c, k: _Chunk, dy, low):
+  """Cotangents of the in-chunk term: (cb, dscores, dx, dc, dbd) with cb = c bd^T and
+  dscores the cotangent of cb * Lmix."""
+  cb = _mm(tiling.dot_nt, c, bd, low)                    # [Q, Q]
+  dscores = _mm(tiling.dot_nt, dy, x, low)
+  dcb = dscores * k.lmix
+  dx = _mm(tiling.dot_tn, cb * k.lmix, dy, low)
+  dc = _mm(tiling.dot, dcb, bd, low)
+  dbd = _mm(tiling.dot_tn, dcb, c, low)
+  return cb, dscores, dx, dc, dbd
+
+
+def _lmix_backward(t, k: _Chunk, modes: Modes, num_modes: int, dscores, cb):
+  """Through Lmix = sum_j w_j exp(-r_j delta) on the causal part: (dmodes, the cotangent of
+  t [Q, 1] through delta = t_t - t_tau)."""
+  m_pad = modes.rates.shape[1]
+  dlmix = jnp.where(k.causal, dscores * cb, 0.0)
+  ddelta = jnp.zeros_like(k.delta)
+  drates = dweights = jnp.zeros((1, m_pad), _F32)
+  for j in range(num_modes):
+    rate, weight = _entry(modes.rates, j), _entry(modes.weights, j)
+    g = dlmix * jnp.exp(-rate * k.delta)
+    dweights += _at(j, _total(g), m_pad)
+    drates -= _at(j, weight * _total(g * k.delta), m_pad)
+    ddelta -= (weight * rate) * g
+  dt = _rowsum(ddelta) - _to_col(jnp.sum(ddelta, axis=0, keepdims=True))
+  return Modes(drates, dweights), dt
+
+
+def _end_column(t, dt_end):
+  """dt_end ([1, 1], the cotangent of t_Q) placed at the chunk's last row of a [Q, 1]."""
+  return jnp.where(_iota(t.shape, 0) == t.shape[0] - 1, dt_end, 0.0)
+
+
+# ----------------------------------------------------------------------------
+# Forward and backward of one chunk, a mode at a time.
 # ----------------------------------------------------------------------------
 
 def chunk_forward(x, bd, c, t, modes: Modes, states: Sequence[jax.Array]):
@@ -155,7 +198,7 @@ def chunk_forward(x, bd, c, t, modes: Modes, states: Sequence[jax.Array]):
   """
   low = x.dtype
   k = _prepare(t, modes, len(states))
-  y = _mm(tiling.dot, _mm(tiling.dot_nt, c, bd, low) * k.lmix, x, low)
+  y = _intra_forward(x, bd, c, k, low)
   new_states = []
   for j, state in enumerate(states):
     mode = _mode(t, k.t_end, modes, j)
@@ -178,12 +221,7 @@ def chunk_backward(x, bd, c, t, modes: Modes, states, dy, dstates):
   """
   low, m_pad = x.dtype, modes.rates.shape[1]
   k = _prepare(t, modes, len(states))
-  cb = _mm(tiling.dot_nt, c, bd, low)                    # [Q, Q]
-  dscores = _mm(tiling.dot_nt, dy, x, low)               # d(cb * lmix)
-  dcb = dscores * k.lmix
-  dx = _mm(tiling.dot_tn, cb * k.lmix, dy, low)
-  dc = _mm(tiling.dot, dcb, bd, low)
-  dbd = _mm(tiling.dot_tn, dcb, c, low)
+  cb, dscores, dx, dc, dbd = _intra_backward(x, bd, c, k, dy, low)
   drates = dweights = jnp.zeros((1, m_pad), _F32)
   dt_col = jnp.zeros_like(t)
   dt_end = jnp.zeros((1, 1), _F32)
@@ -208,18 +246,100 @@ def chunk_backward(x, bd, c, t, modes: Modes, states, dy, dstates):
     drates -= _at(j, _total(g_in * t + g_out * (k.t_end - t)) + g_keep * k.t_end, m_pad)
     dt_col += (g_out - g_in) * mode.rate
     dt_end -= (_total(g_out) + g_keep) * mode.rate
-  # Through Lmix = sum_j w_j exp(-r_j delta) on the causal part.
-  dlmix = jnp.where(k.causal, dscores * cb, 0.0)
-  ddelta = jnp.zeros_like(k.delta)
-  for j in range(len(states)):
-    rate, weight = _entry(modes.rates, j), _entry(modes.weights, j)
-    g = dlmix * jnp.exp(-rate * k.delta)
-    dweights += _at(j, _total(g), m_pad)
-    drates -= _at(j, weight * _total(g * k.delta), m_pad)
-    ddelta -= (weight * rate) * g
-  dt = (dt_col + _rowsum(ddelta) - _to_col(jnp.sum(ddelta, axis=0, keepdims=True))
-        + jnp.where(_iota(t.shape, 0) == t.shape[0] - 1, dt_end, 0.0))
-  return dx, dbd, dc, dt, Modes(drates, dweights), dstates_start
+  dlmix_modes, dt_lmix = _lmix_backward(t, k, modes, len(states), dscores, cb)
+  dmodes = Modes(drates + dlmix_modes.rates, dweights + dlmix_modes.weights)
+  return dx, dbd, dc, dt_col + dt_lmix + _end_column(t, dt_end), dmodes, dstates_start
+
+
+# ----------------------------------------------------------------------------
+# The same chunk with the modes' states stacked: one [M N, p] tile, every mode in each
+# matmul (TPU: a mode at a time is M matmuls of contraction N = 16, a sliver of the MXU).
+# ----------------------------------------------------------------------------
+
+class _Stacked(NamedTuple):
+  """Decays of all modes in the stacked layout (row or column k = j N + n is mode j's n).
+
+  rep [N, K] is 1 where k's n is n (c @ rep repeats c once per mode); of [K, M_pad] is 1
+  where row k belongs to mode j (a [Q, K] @ of sums each mode's N columns). Padded modes
+  (j >= num_modes) get out_of = into = 0, so their state rows stay zero.
+  """
+
+  rep: jax.Array     # [N, K] float32
+  of: jax.Array      # [K, M_pad] float32
+  into: jax.Array    # [Q, K]  w_j e^{-r_j t}
+  out_of: jax.Array  # [Q, K]  e^{-r_j (t_Q - t)}
+  keep: jax.Array    # [K, 1]  e^{-r_j t_Q}
+
+
+def _stacked(t, t_end, modes: Modes, n: int, num_modes: int) -> _Stacked:
+  m_pad = modes.rates.shape[1]
+  k_rows = m_pad * n
+  start = lambda shape, dim: _iota(shape, dim) * n        # mode j's first row, j N
+  in_mode = lambda k, first: (k >= first) & (k < first + n)
+  if n & (n - 1):
+    raise ValueError(f"frac_chunk: the stacked form needs N a power of two, got N = {n}")
+  rep = jnp.where((_iota((n, k_rows), 1) & (n - 1)) == _iota((n, k_rows), 0), 1.0, 0.0)
+  of_km = in_mode(_iota((k_rows, m_pad), 0), start((k_rows, m_pad), 1))
+  of_mk = in_mode(_iota((m_pad, k_rows), 1), start((m_pad, k_rows), 0))
+  live = _iota((1, k_rows), 1) < num_modes * n
+  per_k = lambda row: jnp.sum(jnp.where(of_mk, _to_col(row), 0.0), axis=0, keepdims=True)
+  rate, weight = per_k(modes.rates), per_k(modes.weights)  # [1, K]
+  rate_col = jnp.sum(jnp.where(of_km, modes.rates, 0.0), axis=1, keepdims=True)  # [K, 1]
+  return _Stacked(rep, jnp.where(of_km, 1.0, 0.0), weight * jnp.exp(-rate * t),
+                  jnp.where(live, jnp.exp(-rate * (t_end - t)), 0.0),
+                  jnp.exp(-rate_col * t_end))
+
+
+def chunk_forward_stacked(x, bd, c, t, modes: Modes, state, *, num_modes: int):
+  """`chunk_forward` with the states stacked: state [K, p] float32, K = M_pad N, mode j in
+  rows j N .. j N + N - 1 (N a power of two; the modes past num_modes are padding).
+  Returns (y [Q, p], the end state [K, p]), float32.
+
+    y  = ((c bd^T) * Lmix) x + ((c @ rep) * into) S        S' = keep * S + ((bd @ rep) * out_of)^T x
+  """
+  low = x.dtype
+  k = _prepare(t, modes, num_modes)
+  st = _stacked(t, k.t_end, modes, bd.shape[1], num_modes)
+  y = _intra_forward(x, bd, c, k, low)
+  y += _f32(tiling.dot, _mm(tiling.dot, c, st.rep, low) * st.into, state)
+  bd_out = _f32(tiling.dot, bd, st.rep) * st.out_of
+  return y, st.keep * state + _mm(tiling.dot_tn, bd_out, x, low)
+
+
+def chunk_backward_stacked(x, bd, c, t, modes: Modes, state, dy, dstate, *, num_modes: int):
+  """Reverse of `chunk_forward_stacked` given the stacked start state [K, p] and the end
+  state's cotangent dstate [K, p]: (dx, dbd, dc, dt, dmodes, dstate at the chunk start) as
+  `chunk_backward`'s, the last stacked."""
+  low, m_pad = x.dtype, modes.rates.shape[1]
+  k = _prepare(t, modes, num_modes)
+  st = _stacked(t, k.t_end, modes, bd.shape[1], num_modes)
+  cb, dscores, dx, dc, dbd = _intra_backward(x, bd, c, k, dy, low)
+  # y += (c_rep * into) S
+  c_rep = _mm(tiling.dot, c, st.rep, low)                # [Q, K]
+  d_c_in = _f32(tiling.dot_nt, dy, state)                # [Q, K]
+  dc += _f32(tiling.dot_nt, d_c_in * st.into, st.rep)
+  d_into = _f32(tiling.dot, d_c_in * c_rep, st.of)       # [Q, M_pad]
+  dstate_start = st.keep * dstate + _f32(tiling.dot_tn, c_rep * st.into, dy)
+  # S' = keep S + (bd_rep * out_of)^T x
+  bd_rep = _f32(tiling.dot, bd, st.rep)
+  d_bd_out = _f32(tiling.dot_nt, x, dstate)              # [Q, K]
+  dbd += _f32(tiling.dot_nt, d_bd_out * st.out_of, st.rep)
+  dx += _f32(tiling.dot, bd_rep * st.out_of, dstate)
+  # Through the decays, per mode ([Q, M_pad] columns, [1, M_pad] rows).
+  rates = modes.rates
+  grow, out_of = jnp.exp(-rates * t), jnp.exp(-rates * (k.t_end - t))
+  keep = jnp.exp(-rates * k.t_end)
+  g_in = d_into * (modes.weights * grow)
+  g_out = _f32(tiling.dot, d_bd_out * bd_rep, st.of) * out_of
+  g_keep = jnp.sum(st.of * _rowsum(state * dstate), axis=0, keepdims=True) * keep
+  colsum = lambda a: jnp.sum(a, axis=0, keepdims=True)
+  dweights = colsum(d_into * grow)
+  drates = -(colsum(g_in * t + g_out * (k.t_end - t)) + g_keep * k.t_end)
+  dt_col = _rowsum((g_out - g_in) * rates)
+  dt_end = -_rowsum((colsum(g_out) + g_keep) * rates)
+  dlmix_modes, dt_lmix = _lmix_backward(t, k, modes, num_modes, dscores, cb)
+  dmodes = Modes(drates + dlmix_modes.rates, dweights + dlmix_modes.weights)
+  return dx, dbd, dc, dt_col + dt_lmix + _end_column(t, dt_end), dmodes, dstate_start
 
 
 # ----------------------------------------------------------------------------

@@ -73,6 +73,35 @@ def test_matches_reference_forward_and_gradients(path, dtype):
   kernel_checks.assert_grads_close(grads, grads_ref, args, ARGNAMES, rtol=TOL[dtype])
 
 
+def test_stacked_chunk_equals_mode_at_a_time():
+  """The Mosaic kernel's stacked chunk math (every mode in one matmul) against the form a
+  mode at a time, forward and backward, with padded modes (3 of 8) that must stay zero."""
+  from jaxops import frac_chunk as fc
+  q, n, p, m, m_pad = 32, 16, 24, 5, 8
+  ks = jax.random.split(jax.random.key(3), 8)
+  x, dy = jax.random.normal(ks[0], (2, q, p))
+  c, bd = jax.random.normal(ks[1], (2, q, n)) * jnp.array([1.0, 0.1])[:, None, None]
+  t = jnp.cumsum(jax.nn.softplus(jax.random.normal(ks[2], (q, 1))), axis=0)
+  pad = lambda a: jnp.pad(a, ((0, 0), (0, m_pad - m)))
+  modes = fc.Modes(pad(jnp.exp(jax.random.uniform(ks[3], (1, m), minval=-4.0, maxval=1.5))),
+                   pad(jax.random.uniform(ks[4], (1, m), minval=0.1, maxval=1.0)))
+  states, dstates = (jnp.pad(jax.random.normal(k, (m, n, p)), ((0, m_pad - m), (0, 0), (0, 0)))
+                     for k in ks[5:7])
+  stack = lambda a: a.reshape(m_pad * n, p)
+  y, end = fc.chunk_forward(x, bd, c, t, modes, list(states[:m]))
+  y_s, end_s = fc.chunk_forward_stacked(x, bd, c, t, modes, stack(states), num_modes=m)
+  got = fc.chunk_backward_stacked(x, bd, c, t, modes, stack(states), dy, stack(dstates),
+                                  num_modes=m)
+  want = fc.chunk_backward(x, bd, c, t, modes, list(states[:m]), dy, list(dstates[:m]))
+  pairs = {"y": (y_s, y), "end state": (end_s[:m * n], jnp.concatenate(end)),
+           "start dstate": (got[5][:m * n], jnp.concatenate(want[5])),
+           "drates": (got[4].rates, want[4].rates), "dweights": (got[4].weights, want[4].weights),
+           **{name: (a, b) for name, a, b in zip(("dx", "dbd", "dc", "dt"), got[:4], want[:4])}}
+  for name, (a, b) in pairs.items():
+    kernel_checks.assert_close(a, b, rtol=1e-5, name=name)
+  assert not jnp.any(end_s[m * n:]) and not jnp.any(got[5][m * n:]), "padded modes' rows moved"
+
+
 def test_reference_equals_literal_loop():
   """The scan against a float64 numpy loop written from DESIGN.md section 4."""
   args = make_inputs()

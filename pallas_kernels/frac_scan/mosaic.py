@@ -1,7 +1,8 @@
 """FRAC scan on TPU (Mosaic): grid (group g, chunk i) with the chunk axis "arbitrary";
 the states of all modes live in one float32 VMEM scratch [M_pad * N, P] across it
-(mode j in rows j*N .. j*N+N-1; padded modes are skipped); rate/weight gradients
-accumulate in resident output blocks."""
+(mode j in rows j*N .. j*N+N-1; padded modes stay zero) and each chunk runs
+`frac_chunk`'s stacked form, every mode in one matmul (contraction M_pad * N, not N);
+rate/weight gradients accumulate in resident output blocks."""
 
 from __future__ import annotations
 
@@ -12,17 +13,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxops.frac_chunk import Modes, TilePlan, chunk_backward, chunk_forward
+from jaxops.frac_chunk import Modes, TilePlan, chunk_backward_stacked, chunk_forward_stacked
 
 _F32 = jnp.float32
 
 
 def _modes(rates_ref, weights_ref) -> Modes:
   return Modes(rates_ref[0], weights_ref[0])
-
-
-def _rows(plan: TilePlan, j):
-  return slice(j * plan.n, (j + 1) * plan.n)
 
 
 def _fwd_kernel(x_ref, bd_ref, c_ref, t_ref, rates_ref, weights_ref, s0_ref, y_ref, s_ref,
@@ -36,12 +33,10 @@ def _fwd_kernel(x_ref, bd_ref, c_ref, t_ref, rates_ref, weights_ref, s0_ref, y_r
 
   if save_starts:
     starts_ref[0, 0] = state[...]
-  states = [state[_rows(plan, j), :] for j in range(plan.m)]
-  y, states = chunk_forward(x_ref[0], bd_ref[0], c_ref[0], t_ref[0],
-                            _modes(rates_ref, weights_ref), states)
+  y, state[...] = chunk_forward_stacked(x_ref[0], bd_ref[0], c_ref[0], t_ref[0],
+                                        _modes(rates_ref, weights_ref), state[...],
+                                        num_modes=plan.m)
   y_ref[0] = y.astype(y_ref.dtype)
-  for j, s in enumerate(states):
-    state[_rows(plan, j), :] = s
 
   @pl.when(i == pl.num_programs(1) - 1)
   def _():
@@ -59,16 +54,12 @@ def _bwd_kernel(x_ref, bd_ref, c_ref, t_ref, rates_ref, weights_ref, start_ref, 
     drates_ref[...] = jnp.zeros_like(drates_ref)
     dweights_ref[...] = jnp.zeros_like(dweights_ref)
 
-  start = start_ref[0, 0]
-  dx, dbd, dc, dt, dmodes, dstates = chunk_backward(
+  dx, dbd, dc, dt, dmodes, dstate[...] = chunk_backward_stacked(
       x_ref[0], bd_ref[0], c_ref[0], t_ref[0], _modes(rates_ref, weights_ref),
-      [start[_rows(plan, j), :] for j in range(plan.m)], dy_ref[0],
-      [dstate[_rows(plan, j), :] for j in range(plan.m)])
+      start_ref[0, 0], dy_ref[0], dstate[...], num_modes=plan.m)
   dx_ref[0], dbd_ref[0], dc_ref[0], dt_ref[0] = dx, dbd, dc, dt
   drates_ref[0] += dmodes.rates
   dweights_ref[0] += dmodes.weights
-  for j, d in enumerate(dstates):
-    dstate[_rows(plan, j), :] = d
 
   @pl.when(i == pl.num_programs(1) - 1)
   def _():
