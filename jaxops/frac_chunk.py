@@ -20,7 +20,9 @@ keep each program's state in registers)::
 Every exponent is -rate * (a difference of cumulative dt) <= 0, so nothing overflows.
 The modes meet in Lmix only, so the Q x Q part costs what one mode costs; each mode
 then adds two [Q, N] x [N, p]-sized matmuls, and nothing wider than [Q, max(Q, N, p)]
-is ever live (the registers of one GPU thread block hold it).
+is ever live (the registers of one GPU thread block hold it). The stacked form
+(`chunk_forward_stacked`, the Mosaic TPU kernel's) holds the M states as one [M N, p] tile
+and does each state term as one matmul of contraction M N, with [Q, M N] tiles live (VMEM).
 
 Precision: matmuls of inputs (x, c, bd, their cotangents) run in the input dtype with
 float32 accumulation (bf16 on the MXU / tensor cores for bf16 inputs); everything that

@@ -18,11 +18,12 @@ from pallas_kernels.dispatch import Backend, tuned
 MODE_ALIGN = 4
 
 # The default chunk on TPU, per chip (None: an unknown TPU). libtpu's static estimate of the
-# Mosaic kernels' fwd+bwd (bf16, B=1, L=16k, H=4, P=64, N=16, M=16), chunk 32 / 64 / 128 /
-# 256: v5e 2.08M / 1.55M / 1.10M cycles / over the scoped VMEM; v6e 2.28M / 1.09M / 0.89M /
-# 0.77M (benchmarks/README.md, TPU speed). A longer chunk also saves fewer chunk-start states
-# for the backward (L / chunk of [M, N, P] float32 per group: at L = 32k, M = 20, 12 heads of
-# P = 64, 1.9 GiB at 32 and 0.5 GiB at 128).
+# Mosaic kernels' fwd+bwd (bf16, B=1, L=2048, H=4, P=64, N=16, M=16; `perf_worker
+# --program=frac/kernel --blocks='{"chunk": ...}'`), chunk 64 / 128 / 256 / 512: v5e 600K /
+# 499K / 511K cycles / over the scoped VMEM; v6e 518K / 365K / 359K / 464K (2026-12-07, the
+# stacked chunk form; benchmarks/README.md, TPU speed). A longer chunk also saves fewer
+# chunk-start states for the backward (L / chunk of [M, N, P] float32 per group: at L = 32k,
+# M = 20, 12 heads of P = 64, 1.9 GiB at 32 and 0.5 GiB at 128).
 TPU_CHUNK = {"tpu-v5e": 128, "tpu-v6e": 256, None: 64}
 
 
