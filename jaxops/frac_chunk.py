@@ -118,6 +118,7 @@ class _Chunk(NamedTuple):
   delta: jax.Array   # [Q, Q] t_t - t_tau on and below the diagonal, 0 above
   t_end: jax.Array   # [1, 1]
   lmix: jax.Array    # [Q, Q]
+  t_row: jax.Array   # [1, Q] t as a row
 
 
 class _Mode(NamedTuple):
@@ -133,11 +134,12 @@ class _Mode(NamedTuple):
 def _prepare(t, modes: Modes, num_modes: int) -> _Chunk:
   q = t.shape[0]
   causal = _iota((q, q), 0) >= _iota((q, q), 1)
-  delta = jnp.where(causal, t - _to_row(t), 0.0)
+  t_row = _to_row(t)
+  delta = jnp.where(causal, t - t_row, 0.0)
   lmix = jnp.zeros_like(delta)
   for j in range(num_modes):
     lmix += _entry(modes.weights, j) * jnp.exp(-_entry(modes.rates, j) * delta)
-  return _Chunk(causal, delta, _last(t), jnp.where(causal, lmix, 0.0))
+  return _Chunk(causal, delta, _last(t), jnp.where(causal, lmix, 0.0), t_row)
 
 
 def _mode(t, t_end, modes: Modes, j) -> _Mode:
@@ -258,83 +260,122 @@ def chunk_backward(x, bd, c, t, modes: Modes, states, dy, dstates):
 # matmul (TPU: a mode at a time is M matmuls of contraction N = 16, a sliver of the MXU).
 # ----------------------------------------------------------------------------
 
-class _Stacked(NamedTuple):
-  """Decays of all modes in the stacked layout (row or column k = j N + n is mode j's n).
+def _bf16_parts(v, terms: int):
+  """v as a sum of bf16 terms: itself if bf16, else `terms` of them, 8 significant bits
+  each (three hold float32's 24 exactly)."""
+  if v.dtype == jnp.bfloat16:
+    return [v]
+  parts, rest = [], v.astype(_F32)
+  for _ in range(terms):
+    parts.append(rest.astype(jnp.bfloat16))
+    rest = rest - parts[-1].astype(_F32)
+  return parts
 
-  rep [N, K] is 1 where k's n is n (c @ rep repeats c once per mode); of [K, M_pad] is 1
-  where row k belongs to mode j (a [Q, K] @ of sums each mode's N columns). Padded modes
-  (j >= num_modes) get out_of = into = 0, so their state rows stay zero.
+
+def _dot01(form, a, b, low):
+  """form(a, b) where one operand is a bf16 matrix of 0s and 1s: the other is split into
+  bf16 parts and every product is exact. For float32 inputs (`low`) three parts, float32's
+  accuracy (a HIGHEST float32 matmul takes six passes); for 16-bit inputs two, 16
+  significant bits, beside which the inputs' own rounding dominates."""
+  terms = 3 if low == _F32 else 2
+  if a.dtype == jnp.bfloat16:
+    return sum(form(a, part) for part in _bf16_parts(b, terms))
+  return sum(form(part, b) for part in _bf16_parts(a, terms))
+
+
+class _Stacked(NamedTuple):
+  """The stacked layout's constants (row or column k = j N + n is mode j's n).
+
+  rep [N, K] and rep_t [K, N] (its transpose) are 1 where k's n is n: c @ rep repeats c
+  once per mode; of [K, M_pad] is 1 where row k belongs to mode j: a [Q, K] @ of sums each
+  mode's N columns (all three bf16, exact). rate, weight [1, K] and rate_col, weight_col
+  [K, 1]: each mode's rate and weight repeated N times; padded modes (j >= num_modes) get
+  live_col = 0.
   """
 
-  rep: jax.Array     # [N, K] float32
-  of: jax.Array      # [K, M_pad] float32
-  into: jax.Array    # [Q, K]  w_j e^{-r_j t}
-  out_of: jax.Array  # [Q, K]  e^{-r_j (t_Q - t)}
-  keep: jax.Array    # [K, 1]  e^{-r_j t_Q}
+  rep: jax.Array
+  rep_t: jax.Array
+  of: jax.Array
+  rate: jax.Array
+  weight: jax.Array
+  rate_col: jax.Array
+  weight_col: jax.Array
+  live_col: jax.Array
 
 
-def _stacked(t, t_end, modes: Modes, n: int, num_modes: int) -> _Stacked:
-  m_pad = modes.rates.shape[1]
-  k_rows = m_pad * n
-  start = lambda shape, dim: _iota(shape, dim) * n        # mode j's first row, j N
-  in_mode = lambda k, first: (k >= first) & (k < first + n)
+def _stacked(modes: Modes, n: int, num_modes: int) -> _Stacked:
   if n & (n - 1):
     raise ValueError(f"frac_chunk: the stacked form needs N a power of two, got N = {n}")
-  rep = jnp.where((_iota((n, k_rows), 1) & (n - 1)) == _iota((n, k_rows), 0), 1.0, 0.0)
-  of_km = in_mode(_iota((k_rows, m_pad), 0), start((k_rows, m_pad), 1))
-  of_mk = in_mode(_iota((m_pad, k_rows), 1), start((m_pad, k_rows), 0))
-  live = _iota((1, k_rows), 1) < num_modes * n
+  m_pad = modes.rates.shape[1]
+  k_rows = m_pad * n
+  one = lambda cond: jnp.where(cond, 1.0, 0.0).astype(jnp.bfloat16)
+  same_n = lambda k, n_: (k & (n - 1)) == n_
+  in_mode = lambda k, j: (k >= j * n) & (k < j * n + n)
+  of_km = in_mode(_iota((k_rows, m_pad), 0), _iota((k_rows, m_pad), 1))
+  of_mk = in_mode(_iota((m_pad, k_rows), 1), _iota((m_pad, k_rows), 0))
   per_k = lambda row: jnp.sum(jnp.where(of_mk, _to_col(row), 0.0), axis=0, keepdims=True)
-  rate, weight = per_k(modes.rates), per_k(modes.weights)  # [1, K]
-  rate_col = jnp.sum(jnp.where(of_km, modes.rates, 0.0), axis=1, keepdims=True)  # [K, 1]
-  return _Stacked(rep, jnp.where(of_km, 1.0, 0.0), weight * jnp.exp(-rate * t),
-                  jnp.where(live, jnp.exp(-rate * (t_end - t)), 0.0),
-                  jnp.exp(-rate_col * t_end))
+  per_k_col = lambda row: jnp.sum(jnp.where(of_km, row, 0.0), axis=1, keepdims=True)
+  return _Stacked(one(same_n(_iota((n, k_rows), 1), _iota((n, k_rows), 0))),
+                  one(same_n(_iota((k_rows, n), 0), _iota((k_rows, n), 1))),
+                  one(of_km), per_k(modes.rates), per_k(modes.weights),
+                  per_k_col(modes.rates), per_k_col(modes.weights),
+                  jnp.where(_iota((k_rows, 1), 0) < num_modes * n, 1.0, 0.0))
 
 
 def chunk_forward_stacked(x, bd, c, t, modes: Modes, state, *, num_modes: int):
   """`chunk_forward` with the states stacked: state [K, p] float32, K = M_pad N, mode j in
-  rows j N .. j N + N - 1 (N a power of two; the modes past num_modes are padding).
-  Returns (y [Q, p], the end state [K, p]), float32.
+  rows j N .. j N + N - 1 (N a power of two; the modes past num_modes are padding and their
+  rows stay zero). Returns (y [Q, p], the end state [K, p]), float32.
 
-    y  = ((c bd^T) * Lmix) x + ((c @ rep) * into) S        S' = keep * S + ((bd @ rep) * out_of)^T x
+    y  = ((c bd^T) * Lmix) x + ((c rep) * into) S,    into[t, k] = w_k e^{-r_k t_t}
+    S' = keep * S + (rep^T bd^T * out_t) x,           out_t[k, t] = e^{-r_k (t_Q - t_t)}
+
+  The update's [K, Q] factor is built transposed, so no matmul contracts over sublanes.
   """
   low = x.dtype
   k = _prepare(t, modes, num_modes)
-  st = _stacked(t, k.t_end, modes, bd.shape[1], num_modes)
+  st = _stacked(modes, bd.shape[1], num_modes)
   y = _intra_forward(x, bd, c, k, low)
-  y += _f32(tiling.dot, _mm(tiling.dot, c, st.rep, low) * st.into, state)
-  bd_out = _f32(tiling.dot, bd, st.rep) * st.out_of
-  return y, st.keep * state + _mm(tiling.dot_tn, bd_out, x, low)
+  into = st.weight * jnp.exp(-st.rate * t)                                   # [Q, K]
+  y += _f32(tiling.dot, _dot01(tiling.dot, c, st.rep, low) * into, state)
+  out_t = st.live_col * jnp.exp(-st.rate_col * (k.t_end - k.t_row))          # [K, Q]
+  keep = jnp.exp(-st.rate_col * k.t_end)                                     # [K, 1]
+  update = _dot01(tiling.dot_nt, st.rep_t, bd, low) * out_t                  # [K, Q]
+  return y, keep * state + _mm(tiling.dot, update, x, low)
 
 
 def chunk_backward_stacked(x, bd, c, t, modes: Modes, state, dy, dstate, *, num_modes: int):
   """Reverse of `chunk_forward_stacked` given the stacked start state [K, p] and the end
   state's cotangent dstate [K, p]: (dx, dbd, dc, dt, dmodes, dstate at the chunk start) as
   `chunk_backward`'s, the last stacked."""
-  low, m_pad = x.dtype, modes.rates.shape[1]
+  low = x.dtype
   k = _prepare(t, modes, num_modes)
-  st = _stacked(t, k.t_end, modes, bd.shape[1], num_modes)
+  st = _stacked(modes, bd.shape[1], num_modes)
   cb, dscores, dx, dc, dbd = _intra_backward(x, bd, c, k, dy, low)
+  into = st.weight * jnp.exp(-st.rate * t)                                   # [Q, K]
+  out_of = jnp.exp(-st.rate * (k.t_end - t))                                 # [Q, K]
   # y += (c_rep * into) S
-  c_rep = _mm(tiling.dot, c, st.rep, low)                # [Q, K]
-  d_c_in = _f32(tiling.dot_nt, dy, state)                # [Q, K]
-  dc += _f32(tiling.dot_nt, d_c_in * st.into, st.rep)
-  d_into = _f32(tiling.dot, d_c_in * c_rep, st.of)       # [Q, M_pad]
-  dstate_start = st.keep * dstate + _f32(tiling.dot_tn, c_rep * st.into, dy)
+  c_rep = _dot01(tiling.dot, c, st.rep, low)                                 # [Q, K]
+  d_c_in = _f32(tiling.dot_nt, dy, state)                                    # [Q, K]
+  dc += _dot01(tiling.dot_nt, d_c_in * into, st.rep, low)
+  d_into = _dot01(tiling.dot, d_c_in * c_rep, st.of, low)                    # [Q, M_pad]
+  into_t = st.weight_col * jnp.exp(-st.rate_col * k.t_row)                   # [K, Q]
+  keep_col = jnp.exp(-st.rate_col * k.t_end)
+  dstate_start = keep_col * dstate + _f32(
+      tiling.dot, _dot01(tiling.dot_nt, st.rep_t, c, low) * into_t, dy)
   # S' = keep S + (bd_rep * out_of)^T x
-  bd_rep = _f32(tiling.dot, bd, st.rep)
-  d_bd_out = _f32(tiling.dot_nt, x, dstate)              # [Q, K]
-  dbd += _f32(tiling.dot_nt, d_bd_out * st.out_of, st.rep)
-  dx += _f32(tiling.dot, bd_rep * st.out_of, dstate)
+  bd_rep = _dot01(tiling.dot, bd, st.rep, low)
+  d_bd_out = _f32(tiling.dot_nt, x, dstate)                                  # [Q, K]
+  dbd += _dot01(tiling.dot_nt, d_bd_out * out_of, st.rep, low)
+  dx += _f32(tiling.dot, bd_rep * out_of, dstate)
   # Through the decays, per mode ([Q, M_pad] columns, [1, M_pad] rows).
   rates = modes.rates
-  grow, out_of = jnp.exp(-rates * t), jnp.exp(-rates * (k.t_end - t))
+  grow, out_m = jnp.exp(-rates * t), jnp.exp(-rates * (k.t_end - t))
   keep = jnp.exp(-rates * k.t_end)
   g_in = d_into * (modes.weights * grow)
-  g_out = _f32(tiling.dot, d_bd_out * bd_rep, st.of) * out_of
-  g_keep = jnp.sum(st.of * _rowsum(state * dstate), axis=0, keepdims=True) * keep
+  g_out = _dot01(tiling.dot, d_bd_out * bd_rep, st.of, low) * out_m
   colsum = lambda a: jnp.sum(a, axis=0, keepdims=True)
+  g_keep = colsum(jnp.where(st.of > 0, _rowsum(state * dstate), 0.0)) * keep  # [1, M_pad]
   dweights = colsum(d_into * grow)
   drates = -(colsum(g_in * t + g_out * (k.t_end - t)) + g_keep * k.t_end)
   dt_col = _rowsum((g_out - g_in) * rates)

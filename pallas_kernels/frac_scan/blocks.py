@@ -19,8 +19,8 @@ MODE_ALIGN = 4
 
 # The default chunk on TPU, per chip (None: an unknown TPU). libtpu's static estimate of the
 # Mosaic kernels' fwd+bwd (bf16, B=1, L=2048, H=4, P=64, N=16, M=16; `perf_worker
-# --program=frac/kernel --blocks='{"chunk": ...}'`), chunk 64 / 128 / 256 / 512: v5e 600K /
-# 499K / 511K cycles / over the scoped VMEM; v6e 518K / 365K / 359K / 464K (2026-12-07, the
+# --program=frac/kernel --blocks='{"chunk": ...}'`), chunk 64 / 128 / 256 / 512: v5e 522K /
+# 405K / 413K cycles / over the scoped VMEM; v6e 480K / 322K / 313K / 420K (2026-12-07, the
 # stacked chunk form; benchmarks/README.md, TPU speed). A longer chunk also saves fewer
 # chunk-start states for the backward (L / chunk of [M, N, P] float32 per group: at L = 32k,
 # M = 20, 12 heads of P = 64, 1.9 GiB at 32 and 0.5 GiB at 128).
