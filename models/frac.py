@@ -268,6 +268,11 @@ class FRACMixer(nnx.Module):
 
   def __call__(self, x):
     """x [B, L, d] -> [B, L, d] in the compute dtype."""
+    return self._output(*self.scan_output(x))
+
+  def scan_output(self, x):
+    """The layer up to the scan: x [B, L, d] -> (y, x_in [B, L, H, P], z [B, L, d_in]), what
+    `_output` takes (`__call__` is the two; benchmarks/aot/perf_programs profiles them apart)."""
     checks.sequence("FRACMixer", "x", x, self.in_proj.shape[0])
     z, xs, bc, dt_raw = self._project(x)
     causal = ((0, 0), (self.conv_weight.shape[0] - 1, 0), (0, 0))
@@ -276,7 +281,7 @@ class FRACMixer(nnx.Module):
     rates, weights = self.modes()
     y, _ = impl_table.call("frac_scan", self.impl, xs, dt, b, c, rates, weights,
                            chunk=self.chunk, interpret=self.interpret, backend=self.backend)
-    return self._output(y, xs, z)
+    return y, xs, z
 
   def init_cache(self, batch: int, dtype=None):
     """Decoding cache: the conv windows of x [B, W - 1, d_in] and of B, C [B, W - 1, 2N], and

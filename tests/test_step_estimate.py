@@ -67,3 +67,25 @@ def test_the_profiled_log_gamma_matches_jax():
   from benchmarks.aot.perf_programs import _stirling_gammaln
   x = jnp.linspace(0.01, 2.0, 500, dtype=jnp.float32)
   np.testing.assert_allclose(_stirling_gammaln(x), jax.scipy.special.gammaln(x), atol=3e-6)
+
+
+def test_a_frac_mixers_forward_is_its_three_programs():
+  """A FRAC mixer's forward: the half up to the scan, the scan op at the layer's shape with
+  its heads in pieces (each piece counted), the half from the scan's output; remat counts
+  their sum twice."""
+  chip = perf.CHIPS["tpu-v5e"]
+  spec = dict(SPEC, mixer="frac")
+  programs = step_estimate.part_programs(spec)
+  assert "mixer/fwd" not in programs
+  name, direction, overrides, times = programs["mixer/fwd:scan"]
+  assert (name, direction, times) == ("frac/kernel", "fwd", 3)
+  assert overrides["shape"] == dict(b=1, l=4096, h=4, p=64, n=16, m=16)
+  assert {programs[p][0] for p in ("mixer/fwd:pre", "mixer/fwd:out")} == {
+      "lmstep/mixer_pre", "lmstep/mixer_out"}
+  cycles = {"mixer/fwd:pre": 100_000, "mixer/fwd:scan": 200_000, "mixer/fwd:out": 50_000,
+            "mixer/bwd": 900_000, "ffn/fwd": 300_000, "ffn/bwd": 700_000, "head": 1_500_000}
+  parts = {k: dict(status="ok", cycles=c, flops=1e9, times=programs[k][3])
+           for k, c in cycles.items()}
+  row = step_estimate.estimate(spec, "tpu-v5e", 16, parts)
+  mixer = 2 * (100_000 + 3 * 200_000 + 50_000) + 900_000
+  assert row["mixer_ms"] == pytest.approx(mixer / chip.clock_hz * 1e3)

@@ -11,6 +11,8 @@ ratio of cycles to the baseline is the comparison that matters.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Callable
@@ -42,6 +44,12 @@ def _nbytes(specs) -> int:
   return sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in specs)
 
 
+# A context for the tracing `build` does itself (a "bwd" program's forward, for its residuals'
+# shapes): perf_worker sets the target's abstract mesh, so that choices made while tracing
+# (FRAC's chunk on TPU) are the target's, not this CPU's.
+TRACE_FOR = contextvars.ContextVar("TRACE_FOR", default=contextlib.nullcontext)
+
+
 def _with_grad(fn, specs, num_diff: int, flops: int, kernel: str, direction: str) -> Program:
   """The forward, or forward + the VJP of the first `num_diff` arguments (cotangent = the
   output, so nothing is left for XLA to prune); FLOPs x3 and bytes x3 for fwd+bwd (the
@@ -53,7 +61,8 @@ def _with_grad(fn, specs, num_diff: int, flops: int, kernel: str, direction: str
   pullback = lambda *a: jax.vjp(lambda *d: fn(*d, *a[num_diff:]), *a[:num_diff])
   if direction == "bwd":
     structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs]
-    out, vjp = jax.eval_shape(pullback, *structs)
+    with TRACE_FOR.get()():  # the forward is traced here, for the target's choices
+      out, vjp = jax.eval_shape(pullback, *structs)
     residuals, treedef = jax.tree.flatten(vjp)   # a jax.tree_util.Partial: its residuals
     bwd_specs = [(r.shape, r.dtype) for r in residuals] + [(out.shape, out.dtype)]
     bwd = lambda *a: jax.tree.unflatten(treedef, a[:-1])(a[-1])
@@ -128,8 +137,9 @@ def _swiglu(dtype):
 
 
 def _frac(impl: str, dtype, overrides: dict):
+  """overrides: the kernel's block sizes, "chunk", and "shape" (FRAC's keys, a layer's)."""
   import jax.numpy as jnp
-  s = FRAC
+  s = {**FRAC, **overrides.pop("shape", {})}
   tok = (s["b"], s["l"], s["h"])
   specs = [(tok + (s["p"],), dtype), (tok, jnp.float32), (tok + (s["n"],), dtype),
            (tok + (s["n"],), dtype), ((s["h"], s["m"]), jnp.float32),
@@ -272,13 +282,14 @@ def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
                                                rngs=nnx.Rngs(0)))
   b, l, d = spec["batch"], kwargs["context"], kwargs["d_model"]
   halves = {"mixer": ("norm1", "mixer"), "ffn": ("norm2", "ffn")}
-  module = model.blocks[0] if part in halves else model.norm
+  split = ("mixer_pre", "mixer_out")
+  module = model.blocks[0] if part in (*halves, *split) else model.norm
   graphdef, params, rest = nnx.split(module, nnx.Param, ...)
   leaves, treedef = jax.tree.flatten(params)
   rest_leaves, rest_def = jax.tree.flatten(rest)
   n, m = len(leaves), len(rest_leaves)
   # arguments: the module's parameters, [the LM head,] the features x, its other state
-  extra = [] if part in halves else [(model.head.shape, model.head.dtype)]
+  extra = [] if part in (*halves, *split) else [(model.head.shape, model.head.dtype)]
   specs = ([(p.shape, p.dtype) for p in leaves] + extra + [((b, l, d), dtype)]
            + [(r.shape, r.dtype) for r in rest_leaves])
   k = n + len(extra)
@@ -287,6 +298,10 @@ def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, a[:n]),
                      jax.tree.unflatten(rest_def, a[k + 1:k + 1 + m]))
 
+  if part in split:
+    if direction != "fwd":
+      raise ValueError(f"lmstep/{part}: forward only (the VJP of the half is 'lmstep/mixer')")
+    return _frac_forward_part(part, module, apply, specs, k, b * l)
   if part in halves:
     names = halves[part]
     weights = sum(math.prod(p.shape) for name in names
@@ -313,6 +328,48 @@ def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
 
   return _with_grad(head, specs + [((b, l), jnp.int32)], k + 1, 2 * b * l * weights, "",
                     "fwd+bwd")
+
+
+def _frac_forward_part(part: str, block, apply, specs, k: int, tokens: int) -> Program:
+  """A FRAC mixer half's forward without its scan, in two programs: "mixer_pre", norm1 and
+  the layer up to the scan (`FRACMixer.scan_output`) with the scan replaced by a stand-in
+  that returns its x, and "mixer_out", x + the gated norm and out_proj (`FRACMixer._output`)
+  given the scan's outputs. `step_estimate` adds the scan op itself ("frac/kernel" at the
+  layer's shape). libtpu's profiler fails the whole half ("Cannot schedule FIFO pop": the
+  gated norm's reduction fused with the scan output's transpose to token-major) and runs out
+  of this machine's memory on the layer's scan kernel at 4k tokens and 12 heads (> 24 GB);
+  apart, the scan op's program writes y token-major, so the sum pays that transpose as a
+  copy."""
+  import types
+
+  import jax
+  from flax import nnx
+
+  from models import frac
+  weights = lambda module: sum(math.prod(p.shape) for p in
+                               jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+  def pre(*a):
+    blk = apply(a)
+    table = frac.impl_table   # models.frac's name for the op table, swapped while tracing
+    frac.impl_table = types.SimpleNamespace(call=lambda name, impl, x, *args, **kw: (x, None))
+    try:
+      return blk.mixer.scan_output(blk.norm1(a[k]))
+    finally:
+      frac.impl_table = table
+
+  if part == "mixer_pre":
+    pre_weights = weights(block.norm1) + weights(block.mixer) - math.prod(
+        block.mixer.out_proj.shape)
+    return Program(pre, specs, 2 * tokens * pre_weights, _nbytes(specs), "")
+  outs = jax.eval_shape(pre, *(jax.ShapeDtypeStruct(s, d) for s, d in specs))
+  out_specs = specs + [(o.shape, o.dtype) for o in outs]
+
+  def output(*a):
+    return a[k] + apply(a).mixer._output(*a[len(specs):])
+
+  return Program(output, out_specs, 2 * tokens * math.prod(block.mixer.out_proj.shape),
+                 _nbytes(out_specs), "")
 
 
 PROGRAMS = {
@@ -347,6 +404,8 @@ PROGRAMS = {
     "lmstep/mixer": ("lmstep", "a LanguageModel Block's mixer half, fwd (or its VJP: bwd)"),
     "lmstep/ffn": ("lmstep", "a LanguageModel Block's FFN half, fwd (or its VJP: bwd)"),
     "lmstep/head": ("lmstep", "a LanguageModel's final norm, head and loss, fwd + VJP"),
+    "lmstep/mixer_pre": ("lmstep", "a FRAC mixer half's forward up to its scan (not in it)"),
+    "lmstep/mixer_out": ("lmstep", "a FRAC mixer half's forward from the scan's output"),
 }
 KERNEL_PREFIX = {"flash_ffn": "flash_ffn", "frac": "frac_scan", "pack3d": "pack3d",
                  "layer": "flash_ffn"}

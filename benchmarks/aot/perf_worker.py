@@ -41,7 +41,10 @@ def main(argv=None):
   from pallas_kernels.dispatch import target_chip
 
   mesh = device_mesh(target)
-  with target_chip(target.name):  # the kernels' tiles and VMEM budget are the target's
+  # The kernels' tiles and VMEM budget are the target's, and so is what a program's own
+  # tracing chooses (TRACE_FOR: a "bwd" program's forward, traced for its residuals).
+  perf_programs.TRACE_FOR.set(lambda: jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+  with target_chip(target.name):
     program = perf_programs.build(args.program, args.direction, args.dtype,
                                   json.loads(args.blocks))
   sharding = NamedSharding(mesh, PartitionSpec())

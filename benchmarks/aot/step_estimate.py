@@ -14,8 +14,13 @@ The parts of one chip's step (FSDP over every chip, as `configs/lm_paper.py` tra
   per half, fwd + bwd, plus a second fwd under the model's remat (the backward recomputes
   the block's forward). Cross-half fusion is lost (a residual add). The embedding lookup and its
   gradient are left out (libtpu's profiler rejects the gather; a [tokens, d] read and
-  scatter-add, small beside the head's matmuls). Each part is checked against its FLOP
-  floor (its model FLOPs at the MXU peak): an estimate below it is reported as untrusted.
+  scatter-add, small beside the head's matmuls). A FRAC mixer's forward is three programs
+  (libtpu's profiler fails the whole half, and runs out of this machine's memory on the scan
+  kernel at a layer's shape): the half up to its scan ("lmstep/mixer_pre"), the scan op
+  ("frac/kernel" at the layer's shape, its heads in pieces of at most 4 profiled once and
+  counted per piece: the kernel's cost is linear in heads) and the half from the scan's
+  output ("lmstep/mixer_out"). Each part is checked against its FLOP floor (its model
+  FLOPs at the MXU peak): an estimate below it is reported as untrusted.
 - optimizer: AdamW over the chip's 1/chips of the parameters at the HBM floor, 28 bytes per
   parameter (read p, g, m, v; write p, m, v).
 - collectives, a stated model (not a measurement): every chip receives (chips - 1) / chips
@@ -39,12 +44,14 @@ import sys
 from benchmarks.aot import perf
 
 HERE = pathlib.Path(__file__).parent
+PARTS_LOG = HERE / "step_parts.jsonl"
 ICI_BYTES_PER_S = {"tpu-v5e": 1600e9 / 8, "tpu-v6e": 3584e9 / 8}
 ADAMW_BYTES_PER_PARAM = 28
 
 
 def model_facts(spec: dict) -> dict:
-  """Parameters and depth of the model `spec` describes (an abstract build: no arrays)."""
+  """Parameters and depth of the model `spec` describes (an abstract build: no arrays), and
+  for a FRAC mixer its scan's shape per sequence (FRAC's keys: h, p, n, m)."""
   import jax
   from flax import nnx
 
@@ -54,14 +61,40 @@ def model_facts(spec: dict) -> dict:
   kwargs.update({k: spec[k] for k in ("mixer", "ffn", "context") if spec.get(k)})
   model = nnx.eval_shape(lambda: LanguageModel(**kwargs, rngs=nnx.Rngs(0)))
   params = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  return dict(params=params, layers=kwargs["num_layers"], context=kwargs["context"],
-              remat=bool(kwargs.get("remat")))
+  facts = dict(params=params, layers=kwargs["num_layers"], context=kwargs["context"],
+               remat=bool(kwargs.get("remat")))
+  if kwargs["mixer"] in SCAN_MIXERS:
+    mixer = model.blocks[0].mixer
+    facts["scan"] = dict(h=mixer.num_heads, p=mixer.head_dim, n=mixer.state_dim,
+                         m=mixer.num_modes)
+  return facts
 
 
 HALVES = ("mixer", "ffn")
 PARTS = tuple(f"{half}/{direction}" for half in HALVES for direction in ("fwd", "bwd")) + (
     "head",)
 DIRECTION = {part: part.partition("/")[2] or "fwd+bwd" for part in PARTS}
+SCAN_MIXERS = ("frac", "mamba2")
+SCAN_PARTS = ("mixer/fwd:pre", "mixer/fwd:scan", "mixer/fwd:out")   # a FRAC mixer's forward
+HEADS_PER_PIECE = 4
+
+
+def part_programs(spec: dict) -> dict:
+  """{part: (perf_programs name, direction, overrides, times)}: what to profile for each part
+  of the step (`times`: how often a piece counts)."""
+  programs = {part: (f"lmstep/{part.partition('/')[0]}", DIRECTION[part], spec, 1)
+              for part in PARTS}
+  if spec["mixer"] in SCAN_MIXERS:
+    del programs["mixer/fwd"]
+    facts = model_facts(spec)
+    scan = facts["scan"]
+    piece = max(d for d in range(1, HEADS_PER_PIECE + 1) if scan["h"] % d == 0)
+    shape = dict(scan, b=spec["batch"], l=facts["context"], h=piece)
+    programs.update({"mixer/fwd:pre": ("lmstep/mixer_pre", "fwd", spec, 1),
+                     "mixer/fwd:scan": ("frac/kernel", "fwd", {"shape": shape},
+                                        scan["h"] // piece),
+                     "mixer/fwd:out": ("lmstep/mixer_out", "fwd", spec, 1)})
+  return programs
 
 
 def estimate(spec: dict, target: str, chips: int, parts: dict) -> dict:
@@ -74,11 +107,13 @@ def estimate(spec: dict, target: str, chips: int, parts: dict) -> dict:
     if r.get("status") != "ok":
       return dict(spec, target=target, chips=chips,
                   error=f"{name}: {r.get('status')}: {r.get('error', '')[:200]}")
-    seconds[name] = r["cycles"] / chip.clock_hz
-    floor = r["flops"] / (chip.clock_hz * chip.flops_per_cycle)
+    seconds[name] = r.get("times", 1) * r["cycles"] / chip.clock_hz
+    floor = r.get("times", 1) * r["flops"] / (chip.clock_hz * chip.flops_per_cycle)
     if seconds[name] < floor:
       untrusted.append(f"{name} {seconds[name] * 1e3:.2f} ms < its FLOP floor "
                        f"{floor * 1e3:.2f} ms")
+  if "mixer/fwd" not in seconds:
+    seconds["mixer/fwd"] = sum(seconds[part] for part in SCAN_PARTS)
   forwards = 2 if facts["remat"] else 1
   half = {h: forwards * seconds[f"{h}/fwd"] + seconds[f"{h}/bwd"] for h in HALVES}
   block = sum(half.values())
@@ -132,10 +167,11 @@ def main(argv=None):
   spec = dict(config=args.config, mixer=args.mixer, ffn=args.ffn, batch=args.batch_per_chip,
               context=args.context or None)
   parts = {}
-  for part in PARTS:
-    parts[part] = perf.run_worker(args.target, f"lmstep/{part.partition('/')[0]}",
-                                  DIRECTION[part], "bfloat16", spec, args.timeout,
-                                  args.max_rss_gb)
+  for part, (program, direction, overrides, times) in part_programs(spec).items():
+    parts[part] = dict(perf.run_worker(args.target, program, direction, "bfloat16", overrides,
+                                       args.timeout, args.max_rss_gb), times=times)
+    with PARTS_LOG.open("a") as log:   # the raw results, a line per part
+      log.write(json.dumps(dict(parts[part], part=part, model=spec)) + "\n")
     print(f"  {part}: {parts[part].get('status')} {parts[part].get('cycles', '')} cycles "
           f"({parts[part].get('compile_s', '?')} s, {parts[part].get('peak_rss_gb', '?')} GB)",
           flush=True)
