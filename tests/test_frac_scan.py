@@ -73,6 +73,22 @@ def test_matches_reference_forward_and_gradients(path, dtype):
   kernel_checks.assert_grads_close(grads, grads_ref, args, ARGNAMES, rtol=TOL[dtype])
 
 
+def test_mosaic_several_chunks_per_grid_step():
+  """The Mosaic kernel's unrolled chunks per grid step (default 4): 90 tokens are 6 chunks
+  of 16, so 2 per step (the largest power of two dividing 6), 3 steps; forward and gradients
+  against the reference (the default-run case above has 3 chunks, one per step)."""
+  shape = (1, 90, H, P, N, M)
+  args = make_inputs(jnp.float32, shape=shape, seed=1)
+  op = functools.partial(kernel.frac_scan, interpret=True, backend="mosaic", chunk=CHUNK)
+  grad = lambda f: jax.jit(jax.grad(functools.partial(kernel_checks.sin_loss, f),
+                                    argnums=tuple(range(7))))
+  (y, s), (y_ref, s_ref) = op(*args), ops.frac_scan_reference(*args)
+  kernel_checks.assert_close(y, y_ref, rtol=TOL[jnp.float32], name="y")
+  kernel_checks.assert_close(s, s_ref, rtol=TOL[jnp.float32], name="state")
+  kernel_checks.assert_grads_close(grad(op)(*args), grad(ops.frac_scan_reference)(*args), args,
+                                   ARGNAMES, rtol=TOL[jnp.float32])
+
+
 def test_stacked_chunk_equals_mode_at_a_time():
   """The Mosaic kernel's stacked chunk math (every mode in one matmul) against the form a
   mode at a time, forward and backward, with padded modes (3 of 8) that must stay zero."""

@@ -84,10 +84,11 @@ def _frac_scan_lowering():
 
 
 def _frac_scan_races():
-  """3 groups (batch x heads) of 2 chunks: the cores split the groups 2 + 1, and would split
-  a group's chunks if the sequential chunk axis were marked parallel."""
+  """3 groups (batch x heads) of 2 chunks, one per grid step: the cores split the groups
+  2 + 1, and would split a group's steps if the sequential step axis were marked parallel."""
   args = frac_tests.make_inputs(shape=(1, 20, 3, 8, 8, 2))
-  op = functools.partial(frac_scan, interpret=kernel_checks.race_params(), chunk=16)
+  op = functools.partial(frac_scan, interpret=kernel_checks.race_params(), chunk=16,
+                         chunks_per_step=1)
   return op, frac_ops.frac_scan_reference, dict(zip(frac_tests.ARGNAMES, args)), 2
 
 

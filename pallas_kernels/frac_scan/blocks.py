@@ -19,17 +19,19 @@ MODE_ALIGN = 4
 
 # The default chunk on TPU, per chip (None: an unknown TPU). libtpu's static estimate of the
 # Mosaic kernels' fwd+bwd (bf16, B=1, L=2048, H=4, P=64, N=16, M=16; `perf_worker
-# --program=frac/kernel --blocks='{"chunk": ...}'`), chunk 64 / 128 / 256 / 512: v5e 522K /
-# 405K / 413K cycles / over the scoped VMEM; v6e 480K / 322K / 313K / 420K (2026-12-07, the
-# stacked chunk form; benchmarks/README.md, TPU speed). A longer chunk also saves fewer
-# chunk-start states for the backward (L / chunk of [M, N, P] float32 per group: at L = 32k,
-# M = 20, 12 heads of P = 64, 1.9 GiB at 32 and 0.5 GiB at 128).
+# --program=frac/kernel --blocks='{"chunk": ...}'`), chunk 64 / 128 / 256 / 512 at one chunk
+# per grid step: v5e 522K / 405K / 413K cycles / over the scoped VMEM; v6e 480K / 322K /
+# 313K / 420K (2026-12-07, the stacked chunk form; benchmarks/README.md, TPU speed); at 8
+# chunks per step (the default) v6e 288K at 128 against 302K at 256. v6e keeps 256 (5%
+# slower) since a longer chunk saves fewer chunk-start states for the backward (L / chunk
+# of [M, N, P] float32 per group: at L = 32k, M = 20, 12 heads of P = 64, 1.9 GiB at 32,
+# 0.5 GiB at 128, 0.25 GiB at 256).
 TPU_CHUNK = {"tpu-v5e": 128, "tpu-v6e": 256, None: 64}
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Triton and Mosaic GPU launch shapes (Mosaic runs one program per group over all of P).
+  """Launch shapes (Mosaic TPU runs one program per group over all of P and all modes).
 
   p_block: columns of the head width P per Triton program (Mosaic GPU: always 64).
   m_block: modes per program (at most MODE_ALIGN). Triton: the program's m_block states
@@ -37,12 +39,18 @@ class BlockSizes:
     per program of the backward's state terms (its other kernels take every mode).
   num_warps: Triton's warps per program (Mosaic GPU: one warpgroup).
   num_stages: Triton's software pipelining (Mosaic GPU: a program per chunk, no pipeline).
+  chunks_per_step: Mosaic TPU's chunks per grid step, a loop (`mosaic._UNROLL` of them
+    unrolled; a grid step has a cost of its own; the largest power of two dividing the chunk
+    count is used, at most this). libtpu's static estimate of fwd+bwd (bf16, the
+    `TPU_CHUNK` shape) at 1 / 2 / 4 / 8 / 16 chunks per step: v5e (chunk 128) 405K / 383K /
+    379K / 377K / 378K cycles; v6e (chunk 256) 313K / - / 302K / 302K / -.
   """
 
   p_block: int = 16
   m_block: int = 4
   num_warps: int = 4
   num_stages: int = 1
+  chunks_per_step: int = 8
 
   @classmethod
   def for_backend(cls, backend: Backend, dtype) -> "BlockSizes":
