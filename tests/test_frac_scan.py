@@ -104,11 +104,14 @@ def test_stacked_chunk_equals_mode_at_a_time():
   states, dstates = (jnp.pad(jax.random.normal(k, (m, n, p)), ((0, m_pad - m), (0, 0), (0, 0)))
                      for k in ks[5:7])
   stack = lambda a: a.reshape(m_pad * n, p)
-  y, end = fc.chunk_forward(x, bd, c, t, modes, list(states[:m]))
-  y_s, end_s = fc.chunk_forward_stacked(x, bd, c, t, modes, stack(states), num_modes=m)
-  got = fc.chunk_backward_stacked(x, bd, c, t, modes, stack(states), dy, stack(dstates),
-                                  num_modes=m)
-  want = fc.chunk_backward(x, bd, c, t, modes, list(states[:m]), dy, list(dstates[:m]))
+  stacked = functools.partial(jax.jit, static_argnames="num_modes")
+  y, end = jax.jit(fc.chunk_forward)(x, bd, c, t, modes, list(states[:m]))
+  y_s, end_s = stacked(fc.chunk_forward_stacked)(x, bd, c, t, modes, stack(states),
+                                                 num_modes=m)
+  got = stacked(fc.chunk_backward_stacked)(x, bd, c, t, modes, stack(states), dy,
+                                           stack(dstates), num_modes=m)
+  want = jax.jit(fc.chunk_backward)(x, bd, c, t, modes, list(states[:m]), dy,
+                                    list(dstates[:m]))
   pairs = {"y": (y_s, y), "end state": (end_s[:m * n], jnp.concatenate(end)),
            "start dstate": (got[5][:m * n], jnp.concatenate(want[5])),
            "drates": (got[4].rates, want[4].rates), "dweights": (got[4].weights, want[4].weights),
