@@ -283,6 +283,17 @@ def _dot01(form, a, b, low):
   return sum(form(part, b) for part in _bf16_parts(a, terms))
 
 
+def _by_bf16(form, a, b):
+  """form(a, b) at HIGHEST's float32 accuracy where one operand is bf16 (a 16-bit input's
+  own values): the other split into three bf16 parts, every product exact, three passes
+  instead of six. Neither bf16 (float32 inputs): a HIGHEST float32 matmul."""
+  if a.dtype == jnp.bfloat16:
+    return sum(form(a, part) for part in _bf16_parts(b, 3))
+  if b.dtype == jnp.bfloat16:
+    return sum(form(part, b) for part in _bf16_parts(a, 3))
+  return _f32(form, a, b)
+
+
 class _Stacked(NamedTuple):
   """The stacked layout's constants (row or column k = j N + n is mode j's n).
 
@@ -356,16 +367,16 @@ def chunk_backward_stacked(x, bd, c, t, modes: Modes, state, dy, dstate, *, num_
   out_of = jnp.exp(-st.rate * (k.t_end - t))                                 # [Q, K]
   # y += (c_rep * into) S
   c_rep = _dot01(tiling.dot, c, st.rep, low)                                 # [Q, K]
-  d_c_in = _f32(tiling.dot_nt, dy, state)                                    # [Q, K]
+  d_c_in = _by_bf16(tiling.dot_nt, dy, state)                                # [Q, K]
   dc += _dot01(tiling.dot_nt, d_c_in * into, st.rep, low)
   d_into = _dot01(tiling.dot, d_c_in * c_rep, st.of, low)                    # [Q, M_pad]
   into_t = st.weight_col * jnp.exp(-st.rate_col * k.t_row)                   # [K, Q]
   keep_col = jnp.exp(-st.rate_col * k.t_end)
-  dstate_start = keep_col * dstate + _f32(
+  dstate_start = keep_col * dstate + _by_bf16(
       tiling.dot, _dot01(tiling.dot_nt, st.rep_t, c, low) * into_t, dy)
   # S' = keep S + (bd_rep * out_of)^T x
   bd_rep = _dot01(tiling.dot, bd, st.rep, low)
-  d_bd_out = _f32(tiling.dot_nt, x, dstate)                                  # [Q, K]
+  d_bd_out = _by_bf16(tiling.dot_nt, x, dstate)                              # [Q, K]
   dbd += _dot01(tiling.dot_nt, d_bd_out * out_of, st.rep, low)
   dx += _f32(tiling.dot, bd_rep * out_of, dstate)
   # Through the decays, per mode ([Q, M_pad] columns, [1, M_pad] rows).
