@@ -169,7 +169,7 @@ def _intra_backward(x, bd, c, k: _Chunk, dy, low):
   return cb, dscores, dx, dc, dbd
 
 
-def _lmix_backward(t, k: _Chunk, modes: Modes, num_modes: int, dscores, cb):
+def _lmix_backward(k: _Chunk, modes: Modes, num_modes: int, dscores, cb):
   """Through Lmix = sum_j w_j exp(-r_j delta) on the causal part: (dmodes, the cotangent of
   t [Q, 1] through delta = t_t - t_tau)."""
   m_pad = modes.rates.shape[1]
@@ -250,7 +250,7 @@ def chunk_backward(x, bd, c, t, modes: Modes, states, dy, dstates):
     drates -= _at(j, _total(g_in * t + g_out * (k.t_end - t)) + g_keep * k.t_end, m_pad)
     dt_col += (g_out - g_in) * mode.rate
     dt_end -= (_total(g_out) + g_keep) * mode.rate
-  dlmix_modes, dt_lmix = _lmix_backward(t, k, modes, len(states), dscores, cb)
+  dlmix_modes, dt_lmix = _lmix_backward(k, modes, len(states), dscores, cb)
   dmodes = Modes(drates + dlmix_modes.rates, dweights + dlmix_modes.weights)
   return dx, dbd, dc, dt_col + dt_lmix + _end_column(t, dt_end), dmodes, dstates_start
 
@@ -272,25 +272,28 @@ def _bf16_parts(v, terms: int):
   return parts
 
 
-def _dot01(form, a, b, low):
-  """form(a, b) where one operand is a bf16 matrix of 0s and 1s: the other is split into
-  bf16 parts and every product is exact. For float32 inputs (`low`) three parts, float32's
-  accuracy (a HIGHEST float32 matmul takes six passes); for 16-bit inputs two, 16
-  significant bits, beside which the inputs' own rounding dominates."""
-  terms = 3 if low == _F32 else 2
+def _split_dot(form, a, b, terms: int):
+  """form(a, b) where one operand is bf16: the other split into `terms` bf16 parts, so
+  every product is exact."""
   if a.dtype == jnp.bfloat16:
     return sum(form(a, part) for part in _bf16_parts(b, terms))
   return sum(form(part, b) for part in _bf16_parts(a, terms))
 
 
+def _dot01(form, a, b, low):
+  """form(a, b) where one operand is a bf16 matrix of 0s and 1s. For float32 inputs (`low`)
+  the other in three parts, float32's accuracy (a HIGHEST float32 matmul takes six passes);
+  for 16-bit inputs two, 16 significant bits, beside which the inputs' own rounding
+  dominates."""
+  return _split_dot(form, a, b, 3 if low == _F32 else 2)
+
+
 def _by_bf16(form, a, b):
   """form(a, b) at HIGHEST's float32 accuracy where one operand is bf16 (a 16-bit input's
-  own values): the other split into three bf16 parts, every product exact, three passes
-  instead of six. Neither bf16 (float32 inputs): a HIGHEST float32 matmul."""
-  if a.dtype == jnp.bfloat16:
-    return sum(form(a, part) for part in _bf16_parts(b, 3))
-  if b.dtype == jnp.bfloat16:
-    return sum(form(part, b) for part in _bf16_parts(a, 3))
+  own values): the other in three parts, three passes instead of six. Neither bf16
+  (float32 inputs): a HIGHEST float32 matmul."""
+  if jnp.bfloat16 in (a.dtype, b.dtype):
+    return _split_dot(form, a, b, 3)
   return _f32(form, a, b)
 
 
@@ -391,7 +394,7 @@ def chunk_backward_stacked(x, bd, c, t, modes: Modes, state, dy, dstate, *, num_
   drates = -(colsum(g_in * t + g_out * (k.t_end - t)) + g_keep * k.t_end)
   dt_col = _rowsum((g_out - g_in) * rates)
   dt_end = -_rowsum((colsum(g_out) + g_keep) * rates)
-  dlmix_modes, dt_lmix = _lmix_backward(t, k, modes, num_modes, dscores, cb)
+  dlmix_modes, dt_lmix = _lmix_backward(k, modes, num_modes, dscores, cb)
   dmodes = Modes(drates + dlmix_modes.rates, dweights + dlmix_modes.weights)
   return dx, dbd, dc, dt_col + dt_lmix + _end_column(t, dt_end), dmodes, dstate_start
 

@@ -283,13 +283,14 @@ def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
   b, l, d = spec["batch"], kwargs["context"], kwargs["d_model"]
   halves = {"mixer": ("norm1", "mixer"), "ffn": ("norm2", "ffn")}
   split = ("mixer_pre", "mixer_out")
-  module = model.blocks[0] if part in (*halves, *split) else model.norm
+  in_block = part in (*halves, *split)
+  module = model.blocks[0] if in_block else model.norm
   graphdef, params, rest = nnx.split(module, nnx.Param, ...)
   leaves, treedef = jax.tree.flatten(params)
   rest_leaves, rest_def = jax.tree.flatten(rest)
   n, m = len(leaves), len(rest_leaves)
   # arguments: the module's parameters, [the LM head,] the features x, its other state
-  extra = [] if part in (*halves, *split) else [(model.head.shape, model.head.dtype)]
+  extra = [] if in_block else [(model.head.shape, model.head.dtype)]
   specs = ([(p.shape, p.dtype) for p in leaves] + extra + [((b, l, d), dtype)]
            + [(r.shape, r.dtype) for r in rest_leaves])
   k = n + len(extra)

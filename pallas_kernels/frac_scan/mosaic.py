@@ -1,9 +1,9 @@
 """FRAC scan on TPU (Mosaic): grid (group g, step i) with the step axis "arbitrary", each
-step `plan.chunk`-token chunks in an unrolled loop (`BlockSizes.chunks_per_step`); the
-states of all modes live in one float32 VMEM scratch [M_pad * N, P] across it (mode j in
-rows j*N .. j*N+N-1; padded modes stay zero) and each chunk runs `frac_chunk`'s stacked
-form, every mode in one matmul (contraction M_pad * N, not N); rate/weight gradients
-accumulate in resident output blocks."""
+step `plan.chunk`-token chunks in a loop (`BlockSizes.chunks_per_step`, `_UNROLL` of them
+unrolled); the states of all modes live in one float32 VMEM scratch [M_pad * N, P] across
+it (mode j in rows j*N .. j*N+N-1; padded modes stay zero) and each chunk runs
+`frac_chunk`'s stacked form, every mode in one matmul (contraction M_pad * N, not N);
+rate/weight gradients accumulate in resident output blocks."""
 
 from __future__ import annotations
 
