@@ -67,9 +67,9 @@ compile-check: setup aot-setup
 compile-check-tpu: setup $(AOT_TPU)
 	$(PY) -m benchmarks.aot.check --targets=tpu-v5e,tpu-v6e --out=benchmarks/aot/results-tpu
 
-# The GPU half alone (A100: Triton; H100/H200: Mosaic GPU for bf16, Triton for f32; B200:
-# Mosaic GPU for FlashFFN bf16, Triton for the rest), its rows merged into the table with the
-# TPU rows of the last full run.
+# The GPU half alone (what backend=None runs: H100/H200 Mosaic GPU for FlashFFN bf16, Triton
+# for the rest; plus the opt-in Mosaic GPU bodies of `cases.OPT_IN`), its rows merged into the
+# table with the TPU rows of the last full run.
 compile-check-gpu: setup $(AOT_GPU)
 	$(PY) -m benchmarks.aot.check --targets=gpu-a100,gpu-h100,gpu-h200,gpu-b200 --merge --readme
 

@@ -42,13 +42,14 @@ GENERATIONS = mosaic_gpu_generations(D_H, jnp.bfloat16)
 
 def auto_backend(dtype=jnp.bfloat16) -> str:
   """The kernel body `backend=None` runs on this GPU for `dtype` at these shapes."""
-  return dispatch.gpu_backend(("triton", "mosaic_gpu"), dtype, GENERATIONS)
+  return dispatch.gpu_backend("mhffn", ("triton", "mosaic_gpu"), dtype, GENERATIONS)
 
 
 def gpu_backends() -> tuple[str, ...]:
   """The kernel bodies this GPU compiles for bfloat16: Triton everywhere, and Mosaic GPU where
-  `backend=None` picks it (Hopper, Blackwell)."""
-  return tuple(dict.fromkeys(("triton", auto_backend())))
+  its body serves the chip (Hopper, Blackwell), whether or not `backend=None` picks it."""
+  serves = dispatch.mosaic_gpu_serves(("triton", "mosaic_gpu"), jnp.bfloat16, GENERATIONS)
+  return ("triton", "mosaic_gpu") if serves else ("triton",)
 
 
 # Kernel-body variants timed beside the bodies `gpu_backends` names (Hopper, 16-bit): the

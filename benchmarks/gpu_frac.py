@@ -92,7 +92,8 @@ def main(argv) -> int:
       ok &= check("mosaic_gpu", jnp.bfloat16, 40, 5e-2)
     return 0 if ok else 1
   backends = ["triton"]
-  print(f"  backend=None picks {dispatch.gpu_backend(('triton', 'mosaic_gpu'))} for bf16")
+  auto = dispatch.gpu_backend('frac_scan', ('triton', 'mosaic_gpu'))
+  print(f"  backend=None picks {auto} for bf16")
   # Triton dots on float32 inputs run as IEEE float32 (precision=HIGHEST in the tile math).
   ok = check("triton", jnp.float32, 1000, 1e-3) & check("triton", jnp.bfloat16, 2048, 5e-2)
   if HOPPER:  # bf16 only: dispatch refuses Mosaic GPU's float32 kernels on a chip

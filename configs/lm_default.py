@@ -25,6 +25,6 @@ def get_config():
       "mixer": "frac", "ffn": "flashffn",
       "mixer_options": {"head_dim": 32, "state_dim": 16, "chunk": 32},
       "ffn_options": {"num_heads": 4, "num_experts": 2, "d_expert": 64},
-      "impl": "auto", "remat": False})    # True: blocks recomputed in the backward
+      "impl": "auto", "remat": "none"})   # "full" / "mixer": recomputed in the backward (models.lm)
   c.sample = ml_collections.ConfigDict({"prompt": "def ", "num_tokens": 300, "temperature": 0.7})
   return c

@@ -28,6 +28,6 @@ def get_config():
       "vocab_size": 256, "d_model": 32, "num_layers": 2, "num_heads": 2, "context": 32,
       "mixer": "attention", "ffn": "swiglu",
       "mixer_options": {}, "ffn_options": {"d_ff": 64}, "impl": "auto",
-      "remat": False})    # True: blocks recomputed in the backward (long contexts)
+      "remat": "none"})   # "full" / "mixer": recomputed in the backward (long contexts; models.lm)
   c.sample = ml_collections.ConfigDict({"prompt": "def ", "num_tokens": 16, "temperature": 0.0})
   return c

@@ -32,6 +32,7 @@ import functools
 import math
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 
@@ -273,6 +274,13 @@ def _unscan_chunks(plan: TilePlan, x, bd, c, t, modes: Modes, starts, dy, dstate
   return (*(_from_chunks(plan, a) for a in (dx, dbd, dc, dt)), dmodes, dstate)
 
 
+# The name (`jax.ad_checkpoint.checkpoint_name`) of what a differentiated scan computes: its
+# output, end state and chunk-start states (the backward's residuals). A remat policy that
+# saves it (`jax.checkpoint_policies.save_only_these_names`) keeps the scan out of the
+# recomputation.
+CHECKPOINT_NAME = "frac_scan"
+
+
 def scan_vjp(plan: TilePlan, forward, backward):
   """A differentiable scan from tile-level forward/backward functions (XLA or kernels).
 
@@ -289,6 +297,7 @@ def scan_vjp(plan: TilePlan, forward, backward):
 
   def fwd(*args):
     y, state, starts = forward(*plan.tiles(*args), save_starts=True)
+    y, state, starts = checkpoint_name((y, state, starts), CHECKPOINT_NAME)
     return plan.untile(y, state, *_shape_args(args)), (args, starts)
 
   def bwd(residuals, cotangents):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxops import checks
 from jaxops.rope import rope_1d
@@ -35,6 +36,12 @@ def _softmax_attention(q, k, v, mask):
   return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+# The name (`jax.ad_checkpoint.checkpoint_name`) of the heads' outputs o before Wo: a remat
+# policy that saves it keeps the attention scores out of the block's recomputation (the
+# backward still recomputes each query chunk's scores: `jax.checkpoint` per chunk).
+CHECKPOINT_NAME = "attention"
+
+
 # Float32 score elements per sequence that one query chunk may hold: 2^25 = 128 MiB.
 SCORE_ELEMENTS = 2**25
 # Static groups of query chunks, each attending the keys up to its last query: G groups do
@@ -49,6 +56,33 @@ def default_query_chunk(num_heads: int, length: int) -> int:
   while num_heads * 2 * chunk * length <= SCORE_ELEMENTS:
     chunk *= 2
   return chunk
+
+
+def causal_heads(q, k, v, chunk: int):
+  """The heads' causal outputs o [B, L, H, D] (v's dtype) from q, k, v [B, L, H, D] (RoPE'd),
+  `chunk` queries at a time (`default_query_chunk`), each chunk under `jax.checkpoint`."""
+  length = q.shape[1]
+  if length <= chunk:
+    return _softmax_attention(q, k, v, jnp.tril(jnp.ones((length, length), bool)))
+  # The chunks come in at most KEY_GROUPS groups; a group's chunks attend only the keys up
+  # to the group's last query (a static slice), skipping most of the masked causal half.
+  # Padded queries (past a group's end) see every key, so no row is all -inf; dropped.
+  chunks = -(-length // chunk)
+  per_group = -(-chunks // min(chunks, KEY_GROUPS))
+  outs = []
+  for first in range(0, chunks, per_group):
+    start, stop = first * chunk, min(length, (first + per_group) * chunk)
+    k_g, v_g, keys = k[:, :stop], v[:, :stop], jnp.arange(stop)
+
+    @jax.checkpoint
+    def one_chunk(args, k_g=k_g, v_g=v_g, keys=keys):
+      q_c, offset = args
+      return _softmax_attention(q_c, k_g, v_g, (offset + jnp.arange(chunk))[:, None] >= keys)
+
+    q_g = seq_chunks(q[:, start:stop], chunk)
+    o = jax.lax.map(one_chunk, (q_g, start + jnp.arange(q_g.shape[0]) * chunk))
+    outs.append(seq_unchunk(o, stop - start))
+  return jnp.concatenate(outs, axis=1)
 
 
 class CausalAttention(nnx.Module):
@@ -89,10 +123,6 @@ class CausalAttention(nnx.Module):
     positions = jnp.broadcast_to(positions, x.shape[:2])
     return rope_1d(q, positions, theta=self.theta), rope_1d(k, positions, theta=self.theta), v
 
-  def _attend(self, q, k, v, mask):
-    """q [B, Lq, H, D], k, v [B, Lk, H, D], mask [Lq, Lk] (True = keep) -> [B, Lq, d]."""
-    return self._out(_softmax_attention(q, k, v, mask))
-
   def _out(self, o):
     """Heads' outputs [B, L, H, D] -> y = o Wo [B, L, d]."""
     o = constrain(o, ("batch", "seq", "act_heads", None))
@@ -101,31 +131,10 @@ class CausalAttention(nnx.Module):
   def __call__(self, x):
     """x [B, L, d] -> [B, L, d]."""
     checks.sequence("CausalAttention", "x", x, self.wo.shape[-1])
-    length = x.shape[1]
-    q, k, v = self._qkv(x, jnp.arange(length))
+    q, k, v = self._qkv(x, jnp.arange(x.shape[1]))
     q, k, v = (constrain(t, ("batch", "seq", "act_heads", None)) for t in (q, k, v))
-    chunk = self.query_chunk or default_query_chunk(self.num_heads, length)
-    if length <= chunk:
-      return self._attend(q, k, v, jnp.tril(jnp.ones((length, length), bool)))
-    # The chunks come in at most KEY_GROUPS groups; a group's chunks attend only the keys up
-    # to the group's last query (a static slice), skipping most of the masked causal half.
-    # Padded queries (past a group's end) see every key, so no row is all -inf; dropped.
-    chunks = -(-length // chunk)
-    per_group = -(-chunks // min(chunks, KEY_GROUPS))
-    outs = []
-    for first in range(0, chunks, per_group):
-      start, stop = first * chunk, min(length, (first + per_group) * chunk)
-      k_g, v_g, keys = k[:, :stop], v[:, :stop], jnp.arange(stop)
-
-      @jax.checkpoint
-      def one_chunk(args, k_g=k_g, v_g=v_g, keys=keys):
-        q_c, offset = args
-        return _softmax_attention(q_c, k_g, v_g, (offset + jnp.arange(chunk))[:, None] >= keys)
-
-      q_g = seq_chunks(q[:, start:stop], chunk)
-      o = jax.lax.map(one_chunk, (q_g, start + jnp.arange(q_g.shape[0]) * chunk))
-      outs.append(seq_unchunk(o, stop - start))
-    return self._out(jnp.concatenate(outs, axis=1))
+    chunk = self.query_chunk or default_query_chunk(self.num_heads, x.shape[1])
+    return self._out(checkpoint_name(causal_heads(q, k, v, chunk), CHECKPOINT_NAME))
 
   def init_cache(self, batch: int):
     """{"k", "v": [batch, context, H, D] zeros, "pos": 0}."""
@@ -145,5 +154,5 @@ class CausalAttention(nnx.Module):
     k_all = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), pos, 1)
     v_all = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), pos, 1)
     mask = (jnp.arange(self.context) <= pos)[None]
-    y = self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask)
+    y = self._out(_softmax_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask))
     return y[:, 0], {"k": k_all, "v": v_all, "pos": pos + 1}

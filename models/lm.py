@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxops import checks
+from jaxops import frac as frac_ops
+from models import attention as attention_lib
 from models.attention import CausalAttention
 from models.block import FFNS, Block, make_ffn, param_count
 from models.flash_ffn import swiglu_width
@@ -38,10 +40,24 @@ def make_mixer(kind: str, d_model: int, num_heads: int, *, context: int, impl: s
                    dtype=dtype, mamba2=kind == "mamba2", rngs=rngs, **options)
 
 
-@nnx.remat
-def _remat_call(block, x):
-  """block(x), its activations recomputed in the backward (only x is kept)."""
-  return block(x)
+# What a rematerialised block keeps for its backward besides its input x (`remat`): "full"
+# nothing, so the backward runs the whole block's forward again; "mixer" also the sequence
+# mixer's core, the values its layer names `MIXER_CORE` (FRAC: the scan's output, end state and
+# chunk-start states, `jaxops.frac.CHECKPOINT_NAME`; attention: the heads' outputs before Wo,
+# `models.attention.CHECKPOINT_NAME`), so the recomputation skips the scan kernel (the
+# attention scores) for about one [B, L, d] more per block (FRAC: plus its chunk-start
+# states, M N P float32 per head and chunk).
+MIXER_CORE = (frac_ops.CHECKPOINT_NAME, attention_lib.CHECKPOINT_NAME)
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "mixer": jax.checkpoint_policies.save_only_these_names(*MIXER_CORE),
+}
+
+
+def _remat_call(policy: str, block, x):
+  """block(x) with its activations recomputed in the backward, keeping what `policy` (one of
+  REMAT_POLICIES) names."""
+  return nnx.remat(lambda block, x: block(x), policy=REMAT_POLICIES[policy])(block, x)
 
 
 class LanguageModel(nnx.Module):
@@ -67,9 +83,12 @@ class LanguageModel(nnx.Module):
       "d_expert": 64} for FlashFFN.
     impl: kernel choice for FlashFFN / FRAC ("auto", "pallas", "xla", "reference"; see
       `models.impl`); interpret: passed to their kernels.
-    remat: recompute each block's activations in the backward (`nnx.remat`), keeping only
-      its input: memory per block from all its activations down to one [B, L, d], for about
-      one more forward of the blocks.
+    remat: recompute each block's activations in the backward (`nnx.remat`). "none" (or
+      False): no; "full" (or True): keep only each block's input, memory per block from all
+      its activations down to one [B, L, d], for about one more forward of the blocks;
+      "mixer": keep the mixer's core output too (`REMAT_POLICIES`), so the recomputation
+      skips the FRAC scan or the attention scores, for about one more [B, L, d] per block
+      (FRAC: plus its chunk-start states).
     dtype: compute dtype (None: float32); parameters stay float32.
 
   Token ids must lie in [0, vocab_size): checked when concrete; under jit a
@@ -79,13 +98,16 @@ class LanguageModel(nnx.Module):
   def __init__(self, *, d_model: int, num_layers: int, num_heads: int, context: int,
                mixer: str = "attention", ffn: str = "swiglu", mixer_options: dict | None = None,
                ffn_options: dict | None = None, impl: Impl = "auto", interpret=None,
-               vocab_size: int = 256, remat: bool = False, dtype=None, rngs: nnx.Rngs):
+               vocab_size: int = 256, remat: bool | str = "none", dtype=None,
+               rngs: nnx.Rngs):
     checks.one_of("LanguageModel", "mixer", mixer, MIXERS)
     checks.one_of("LanguageModel", "ffn", ffn, FFNS)
     impl = resolve_impl("LanguageModel", impl)
     checks.ints("LanguageModel", dict(d_model=d_model, num_layers=num_layers,
                                       num_heads=num_heads, context=context,
                                       vocab_size=vocab_size))
+    checks.one_of("LanguageModel", "remat", remat, (False, True, "none", *REMAT_POLICIES))
+    remat = {False: "none", True: "full"}.get(remat, remat)
     self.mixer_kind, self.context, self.dtype, self.remat = mixer, context, dtype, remat
     self.embed = param(jax.random.normal(rngs.params(), (vocab_size, d_model)), "vocab", "embed")
     block_params = 4 * d_model**2 + 3 * d_model * swiglu_width(d_model)
@@ -131,7 +153,7 @@ class LanguageModel(nnx.Module):
     table = constrain(self.embed[...], (None, None))
     x = constrain(table[tokens].astype(self.dtype or jnp.float32), ("batch", "seq", None))
     for block in self.blocks:
-      x = _remat_call(block, x) if self.remat else block(x)
+      x = block(x) if self.remat == "none" else _remat_call(self.remat, block, x)
     return self.norm(x)
 
   def init_cache(self, batch: int):

@@ -6,9 +6,10 @@ Each op has a Mosaic (TPU) and a Triton (GPU) kernel body, and a Mosaic GPU one 
 function builds a `KernelConfig` from its keyword arguments and runs its forward and
 backward through `dispatch`, which uses `jax.lax.platform_dependent` so that one jitted
 function runs interpreted on CPU and compiles for TPU and GPU. On a CUDA GPU the kernel
-body is chosen per chip when the program is traced (`gpu_backend`): Mosaic GPU on the
-generations its body serves (Hopper, compute capability 9.x, for every op; Blackwell, 10.x,
-for the ops listed with it), Triton on Ampere and otherwise.
+body is chosen per chip when the program is traced (`gpu_backend`): Mosaic GPU where its
+body serves the generation (Hopper, compute capability 9.x, for every op; Blackwell, 10.x,
+for the ops listed with it) and was measured faster than Triton on such a chip
+(`MEASURED_FASTER`), Triton otherwise.
 
 Block sizes come from each op's table of tuned entries, keyed by (backend, chip, dtype)
 (levanter's `tuned_block_sizes`); every entry is compiled by `make compile-check` for its
@@ -128,15 +129,34 @@ def mosaic_gpu_dtype_ok(dtype) -> bool:
   return jnp.dtype(dtype).itemsize == 2
 
 
-def gpu_backend(backends=BACKENDS, dtype=jnp.bfloat16, generations=(HOPPER,)) -> Backend:
-  """The GPU kernel body for the chip being compiled for and the inputs' dtype, among an
-  op's `backends`: Mosaic GPU for 16-bit inputs on the compute-capability majors in
-  `generations` (the tensor cores its body is written for: Hopper's WGMMA, and Blackwell's
-  tcgen05 where the op lists it), else Triton (float32; Ampere, unknown GPUs). Measured on
-  an H200: FlashFFN bf16 fwd+bwd 1.33x faster on Mosaic GPU than on Triton."""
+# Where `backend=None` picks Mosaic GPU: per op (its `KernelConfig.op`), the generations on
+# which its Mosaic GPU body was measured faster than Triton on a chip. A body measured on no
+# chip is selectable (backend="mosaic_gpu") but not the default: FRAC's and Pack3D's Mosaic
+# GPU bodies and FlashFFN's Blackwell (tcgen05) body have run only in the interpreter and the
+# deviceless compile. Measured on an H200 (benchmarks/README.md, GPU check): FlashFFN bf16
+# fwd+bwd 1.33x faster on Mosaic GPU than on Triton.
+MEASURED_FASTER = {"mhffn": (HOPPER,), "mhffn_routed": (HOPPER,)}
+
+
+def mosaic_gpu_serves(backends=BACKENDS, dtype=jnp.bfloat16, generations=(HOPPER,)) -> bool:
+  """Whether an op with `backends` can run its Mosaic GPU body on the chip being compiled for
+  with inputs of `dtype`: the body serves the chip's generation (`generations`: Hopper's
+  WGMMA, and Blackwell's tcgen05 where the op lists it), this JAX has the API, and the inputs
+  are 16-bit (`mosaic_gpu_dtype_ok`)."""
   capability = compute_capability()
-  if ("mosaic_gpu" in backends and capability is not None and capability[0] in generations
-      and mosaic_gpu_available() and mosaic_gpu_dtype_ok(dtype)):
+  return ("mosaic_gpu" in backends and capability is not None
+          and capability[0] in generations and mosaic_gpu_available()
+          and mosaic_gpu_dtype_ok(dtype))
+
+
+def gpu_backend(op: str, backends=BACKENDS, dtype=jnp.bfloat16,
+                generations=(HOPPER,)) -> Backend:
+  """The GPU kernel body `backend=None` runs for `op` on the chip being compiled for: Mosaic
+  GPU where it serves the chip (`mosaic_gpu_serves`) and was measured faster than Triton on
+  a chip of that generation (`MEASURED_FASTER`), else Triton."""
+  capability = compute_capability()
+  if (mosaic_gpu_serves(backends, dtype, generations)
+      and capability[0] in MEASURED_FASTER.get(op, ())):
     return "mosaic_gpu"
   return "triton"
 
@@ -235,7 +255,7 @@ def traced_body(cfg: KernelConfig, dtype) -> tuple[Backend, bool]:
     return cfg.backend or "mosaic", True
   if cfg.backend:
     return cfg.backend, False
-  return (gpu_backend(cfg.backends, dtype, cfg.generations) if platform == "gpu"
+  return (gpu_backend(cfg.op, cfg.backends, dtype, cfg.generations) if platform == "gpu"
           else "mosaic"), False
 
 
@@ -264,6 +284,6 @@ def dispatch(fn, cfg: KernelConfig, *args):
   # (raising at trace time instead would also break TPU/GPU: every branch is traced).
   default = branch(cfg.backend or "mosaic", cfg.interpret is None)
   backends = (cfg.backend,) if cfg.backend else (
-      "mosaic", gpu_backend(cfg.backends, dtype, cfg.generations))
+      "mosaic", gpu_backend(cfg.op, cfg.backends, dtype, cfg.generations))
   return jax.lax.platform_dependent(
       *args, default=default, **{_PLATFORM[b]: branch(b, False) for b in backends})

@@ -21,7 +21,7 @@ BACKEND_CALL = {"mosaic": "tpu_custom_call", "triton": "__gpu$xla.gpu.triton",
 
 # The GPU that "cuda" lowerings are for: Pallas' Triton lowering reads the compute capability
 # from an abstract device when no GPU is present (jax 0.12 requires one; 0.10 assumed 9.0).
-# An Ampere GPU, so `backend=None` picks the Triton body (Hopper ones get Mosaic GPU).
+# An Ampere GPU, so `backend=None` picks the Triton body (Hopper ones may get Mosaic GPU).
 CUDA_DEVICE_KIND = "NVIDIA A100-SXM4-80GB"
 HOPPER_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
 BLACKWELL_DEVICE_KIND = "NVIDIA B200"
@@ -43,6 +43,25 @@ def export_mlir(fn, platform: str, *args, device_kind: str = CUDA_DEVICE_KIND) -
   with target:
     exported = export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)(*args)
   return exported.mlir_module()
+
+
+@contextlib.contextmanager
+def measured_faster(op: str):
+  """Inside: `op`'s Mosaic GPU body counts as measured faster than Triton on Hopper and
+  Blackwell (`dispatch.MEASURED_FASTER`), so that a test sees where `backend=None` would pick
+  it once a chip has: the rules of what the body serves, apart from what has been measured.
+  The table is read when a program is traced, so JAX's trace caches are cleared on the way
+  in and out (a trace cached on either side would hide the change)."""
+  from pallas_kernels import dispatch
+  saved = dict(dispatch.MEASURED_FASTER)
+  jax.clear_caches()
+  dispatch.MEASURED_FASTER[op] = (dispatch.HOPPER, dispatch.BLACKWELL)
+  try:
+    yield
+  finally:
+    dispatch.MEASURED_FASTER.clear()
+    dispatch.MEASURED_FASTER.update(saved)
+    jax.clear_caches()
 
 
 def assert_lowers_to_kernels(fn, platform: str, *args, count: int) -> None:

@@ -219,6 +219,21 @@ def test_auto_picks_the_gpu_kernel_per_chip(device_kind, dtype, backend):
     assert kernel_checks.BACKEND_CALL[other] not in text
 
 
+@needs_mosaic_gpu
+def test_auto_picks_mosaic_gpu_for_the_layers_routed_op_on_hopper():
+  """The layer's op (`mhffn_routed`, its own entry in `dispatch.MEASURED_FASTER`) runs the
+  kernel body measured on an H200, as `mhffn` does: Mosaic GPU for bfloat16 on Hopper."""
+  q, r, k, u, v = paper_shape(jnp.bfloat16)
+  h, e, d_h = k.shape[0], k.shape[1], k.shape[3]
+  spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  op = lambda q, w_r, k, u, v, g: kernel.mhffn_routed(q, w_r, k, u, v, gain=g)
+  text = kernel_checks.export_mlir(op, "cuda", q, spec(h, d_h, e), spec(*k.shape),
+                                   spec(*k.shape), spec(*k.shape), spec(h, d_h),
+                                   device_kind=kernel_checks.HOPPER_DEVICE_KIND)
+  assert kernel_checks.BACKEND_CALL["mosaic_gpu"] in text
+  assert kernel_checks.BACKEND_CALL["triton"] not in text
+
+
 # The warp-specialized kernels (compute_wgs=2; bf16 only): two consumer warpgroups of
 # block_q tokens per CTA and a producer streaming table tiles through num_stages slots. The
 # first shape's 154 tokens fill 2 CTAs (128 tokens each, one part padding) and walk 12 (e, c)

@@ -10,6 +10,7 @@ the refusals of a forced Mosaic GPU kernel. How outputs and gradients are compar
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -170,33 +171,39 @@ def test_other_shapes(shape, dtype, monkeypatch):
   hopper.compiled.cache_clear()
 
 
-@pytest.mark.parametrize("dtype, backend",
-                         [(BF16, "mosaic_gpu"), (F16, "mosaic_gpu"), (F32, "triton")],
-                         ids=["bf16", "f16", "f32"])
-def test_auto_picks_mosaic_gpu_on_blackwell_for_bf16(dtype, backend):
-  """backend=None lowers to Mosaic GPU (the mosaic_gpu_v2 custom call) for a B200 target with
-  16-bit inputs (float16 with bfloat16's 128-row tiles) and to Triton for float32 (forward:
-  one kernel; gradient: three)."""
+@pytest.mark.parametrize("measured, dtype, backend",
+                         [(False, BF16, "triton"), (True, BF16, "mosaic_gpu"),
+                          (True, F16, "mosaic_gpu"), (True, F32, "triton")],
+                         ids=["bf16", "bf16-measured", "f16-measured", "f32-measured"])
+def test_auto_picks_mosaic_gpu_on_blackwell_once_measured(measured, dtype, backend):
+  """backend=None lowers to Triton for a B200 while the tcgen05 body has run on no chip
+  (`dispatch.MEASURED_FASTER`). Once measured faster there: Mosaic GPU (the mosaic_gpu_v2
+  custom call) for 16-bit inputs (float16 with bfloat16's 128-row tiles) and Triton for
+  float32 (forward: one kernel; gradient: three)."""
   args = hopper.paper_shape(dtype)
   grad = jax.grad(functools.partial(kernel_checks.sin_loss, kernel.mhffn),
                   argnums=(0, 1, 2, 3, 4))
   other = {"mosaic_gpu": "triton", "triton": "mosaic_gpu"}[backend]
-  for fn, count in ((kernel.mhffn, 1), (grad, 3)):
-    text = kernel_checks.export_mlir(fn, "cuda", *args,
-                                     device_kind=kernel_checks.BLACKWELL_DEVICE_KIND)
+  with kernel_checks.measured_faster("mhffn") if measured else contextlib.nullcontext():
+    texts = [kernel_checks.export_mlir(fn, "cuda", *args,
+                                       device_kind=kernel_checks.BLACKWELL_DEVICE_KIND)
+             for fn in (kernel.mhffn, grad)]
+  for text, count in zip(texts, (1, 3)):
     assert text.count(kernel_checks.BACKEND_CALL[backend]) == count
     assert kernel_checks.BACKEND_CALL[other] not in text
 
 
 def test_auto_takes_triton_on_blackwell_for_wide_heads():
   """d_h > 128 (here 192): the Blackwell dK/dU/dV kernel's tiles would not fit shared
-  memory, so backend=None lowers to Triton for a B200 (Mosaic GPU on Hopper)."""
+  memory, so backend=None lowers to Triton for a B200 even once its body is measured (Mosaic
+  GPU on Hopper)."""
   spec = lambda *s, d=BF16: jax.ShapeDtypeStruct(s, d)
   args = (spec(1, 256, 2, 192), spec(1, 256, 2, 2, d=F32), *(spec(2, 2, 128, 192),) * 3)
-  for device_kind, backend in ((kernel_checks.BLACKWELL_DEVICE_KIND, "triton"),
-                               (kernel_checks.HOPPER_DEVICE_KIND, "mosaic_gpu")):
-    text = kernel_checks.export_mlir(kernel.mhffn, "cuda", *args, device_kind=device_kind)
-    assert kernel_checks.BACKEND_CALL[backend] in text, device_kind
+  with kernel_checks.measured_faster("mhffn"):
+    for device_kind, backend in ((kernel_checks.BLACKWELL_DEVICE_KIND, "triton"),
+                                 (kernel_checks.HOPPER_DEVICE_KIND, "mosaic_gpu")):
+      text = kernel_checks.export_mlir(kernel.mhffn, "cuda", *args, device_kind=device_kind)
+      assert kernel_checks.BACKEND_CALL[backend] in text, device_kind
 
 
 def test_auto_takes_triton_on_hopper_beyond_its_widest_head():
@@ -248,9 +255,9 @@ def test_unknown_blackwell_chip_gets_the_b200_tiles(monkeypatch):
 
 
 def test_gpu_benchmark_checks_what_auto_runs():
-  """benchmarks/gpu_flash_ffn.py checks and times the kernel body backend=None runs on a B200
-  (the tcgen05 one), besides Triton."""
+  """benchmarks/gpu_flash_ffn.py checks and times both kernel bodies on a B200 (the tcgen05
+  one too, which backend=None does not pick until it is measured there)."""
   from benchmarks import gpu_flash_ffn as bench
   with target_chip(CHIP):
     assert bench.gpu_backends() == ("triton", "mosaic_gpu")
-    assert bench.auto_backend(F32) == "triton"
+    assert bench.auto_backend() == bench.auto_backend(F32) == "triton"

@@ -7,6 +7,7 @@ dtype and chunk; and the chunk rule's error. How outputs and gradients are compa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -118,25 +119,30 @@ def _benchmark_shape(dtype):
           spec(1, 333, 4, 16), spec(4, 16, d=F32), spec(4, 16, d=F32))
 
 
-@pytest.mark.parametrize("device_kind, dtype, chunk, backend", [
-    (kernel_checks.HOPPER_DEVICE_KIND, BF16, None, "mosaic_gpu"),
-    (kernel_checks.HOPPER_DEVICE_KIND, F32, None, "triton"),
-    (kernel_checks.HOPPER_DEVICE_KIND, BF16, 32, "triton"),
-    (kernel_checks.CUDA_DEVICE_KIND, BF16, None, "triton"),
-    (kernel_checks.BLACKWELL_DEVICE_KIND, BF16, None, "triton")],
-    ids=["h100-bf16", "h100-f32", "h100-bf16-chunk32", "a100-bf16", "b200-bf16"])
-def test_auto_picks_the_gpu_kernel_per_chip(device_kind, dtype, chunk, backend):
-  """backend=None lowers to Mosaic GPU for a Hopper target with bf16 inputs and the default
-  chunk (forward: the own-states and the outputs kernels; gradient: those and the
-  backward's three), and to Triton (forward; forward and backward) for float32, for a chunk
-  Mosaic GPU does not serve and for an Ampere or a Blackwell target (the kernel is
-  WGMMA's); never to both."""
+@pytest.mark.parametrize("measured, device_kind, dtype, chunk, backend", [
+    (False, kernel_checks.HOPPER_DEVICE_KIND, BF16, None, "triton"),
+    (True, kernel_checks.HOPPER_DEVICE_KIND, BF16, None, "mosaic_gpu"),
+    (True, kernel_checks.HOPPER_DEVICE_KIND, F32, None, "triton"),
+    (True, kernel_checks.HOPPER_DEVICE_KIND, BF16, 32, "triton"),
+    (True, kernel_checks.CUDA_DEVICE_KIND, BF16, None, "triton"),
+    (True, kernel_checks.BLACKWELL_DEVICE_KIND, BF16, None, "triton")],
+    ids=["h100-bf16", "h100-bf16-measured", "h100-f32", "h100-bf16-chunk32", "a100-bf16",
+         "b200-bf16"])
+def test_auto_picks_the_gpu_kernel_per_chip(measured, device_kind, dtype, chunk, backend):
+  """backend=None lowers to Triton on Hopper while the Mosaic GPU body has run on no chip
+  (`dispatch.MEASURED_FASTER`). Once it is measured faster there: Mosaic GPU for a Hopper
+  target with bf16 inputs and the default chunk (forward: the own-states and the outputs
+  kernels; gradient: those and the backward's three), and Triton (forward; forward and
+  backward) for float32, for a chunk Mosaic GPU does not serve and for an Ampere or a
+  Blackwell target (the kernel is WGMMA's); never both."""
   op = functools.partial(kernel.frac_scan, chunk=chunk)
   grad = jax.grad(functools.partial(kernel_checks.sin_loss, op), argnums=tuple(range(6)))
   other = {"mosaic_gpu": "triton", "triton": "mosaic_gpu"}[backend]
   counts = {"mosaic_gpu": (2, 5), "triton": (1, 2)}[backend]
-  for fn, count in zip((op, grad), counts):
-    text = kernel_checks.export_mlir(fn, "cuda", *_benchmark_shape(dtype), device_kind=device_kind)
+  with kernel_checks.measured_faster("frac_scan") if measured else contextlib.nullcontext():
+    texts = [kernel_checks.export_mlir(fn, "cuda", *_benchmark_shape(dtype),
+                                       device_kind=device_kind) for fn in (op, grad)]
+  for text, count in zip(texts, counts):
     assert text.count(kernel_checks.BACKEND_CALL[backend]) == count
     assert kernel_checks.BACKEND_CALL[other] not in text
 
@@ -171,15 +177,19 @@ def test_forced_mosaic_gpu_refused_where_it_has_no_kernel(device_kind, match):
                               device_kind=device_kind)
 
 
-@pytest.mark.parametrize("dtype, n, chunk", [(BF16, 16, 64), (BF16, 48, 32), (F32, 16, 32)],
-                         ids=["bf16", "bf16-n48", "f32"])
-def test_default_chunk_follows_the_kernel_that_runs(dtype, n, chunk):
-  """On Hopper the default chunk is Mosaic GPU's 64 only where Mosaic GPU runs the scan;
-  where it cannot (N > 32) or is not picked (float32), Triton runs with its 32 (64-token
-  chunks spill its registers)."""
+@pytest.mark.parametrize("measured, dtype, n, chunk",
+                         [(False, BF16, 16, 32), (True, BF16, 16, 64), (True, BF16, 48, 32),
+                          (True, F32, 16, 32)],
+                         ids=["bf16", "bf16-measured", "bf16-n48", "f32"])
+def test_default_chunk_follows_the_kernel_that_runs(measured, dtype, n, chunk):
+  """On Hopper the default chunk is Mosaic GPU's 64 only where Mosaic GPU runs the scan
+  (once measured faster: `dispatch.MEASURED_FASTER`); where it cannot (N > 32), is not
+  picked (float32) or is not yet measured, Triton runs with its 32 (64-token chunks spill
+  its registers)."""
   from pallas_kernels.dispatch import target_chip
   x, b = jnp.zeros((1, 333, 4, 64), dtype), jnp.zeros((1, 333, 4, n), dtype)
-  with target_chip("gpu-h100"):
+  with (kernel_checks.measured_faster("frac_scan") if measured else contextlib.nullcontext(),
+        target_chip("gpu-h100")):
     assert kernel._plan(x, b, jnp.zeros((4, 16)), None, None).chunk == chunk
 
 

@@ -175,9 +175,10 @@ def test_language_model_formula_and_init():
   assert (mixer.context, mixer.num_heads, mixer.num_modes) == (4096, 2, 16)
 
 
-def test_remat_recomputes_blocks_with_the_same_gradients():
-  """remat=True: the same loss gradients (to float32 rounding: jitted, XLA fuses the two
-  programs differently; within 1e-5 of each array's largest entry)."""
+@pytest.mark.parametrize("remat", [True, "mixer"])
+def test_remat_recomputes_blocks_with_the_same_gradients(remat):
+  """remat=True ("full") or "mixer": the same loss gradients (to float32 rounding: jitted,
+  XLA fuses the programs differently; within 1e-5 of each array's largest entry)."""
   def setup(remat):
     model = LanguageModel(d_model=32, num_layers=2, num_heads=2, context=16, mixer="frac",
                           ffn="flashffn", mixer_options={"head_dim": 16, "state_dim": 8},
@@ -187,7 +188,7 @@ def test_remat_recomputes_blocks_with_the_same_gradients():
     tokens = jnp.arange(32).reshape(2, 16) % 256
     return (lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)), state
   loss, state = setup(False)
-  loss_remat, state_remat = setup(True)
+  loss_remat, state_remat = setup(remat)
   for a, b in zip(jax.tree.leaves(jax.jit(jax.grad(loss))(state)),
                   jax.tree.leaves(jax.jit(jax.grad(loss_remat))(state_remat))):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))
@@ -195,9 +196,10 @@ def test_remat_recomputes_blocks_with_the_same_gradients():
 
 def test_remat_keeps_less_for_the_backward():
   """What remat is for: the residuals the backward keeps (4 attention + SwiGLU blocks at
-  256 tokens: 169 arrays without, 49 with, of which [.., 256, ..]-sized 128 and 12). Read
-  from the jaxpr (`print_saved_residuals`): what XLA then allocates differs by version (the
-  CPU compile's temporaries fall 16.4 -> 4.5 MB on jax 0.12, barely on 0.10)."""
+  256 tokens: 169 arrays without, 49 with, of which [.., 256, ..]-sized 128 and 12); "mixer"
+  keeps one more per block, the heads' outputs named "attention". Read from the jaxpr
+  (`print_saved_residuals`): what XLA then allocates differs by version (the CPU compile's
+  temporaries fall 16.4 -> 4.5 MB on jax 0.12, barely on 0.10)."""
   import contextlib
   import io
 
@@ -212,7 +214,40 @@ def test_remat_keeps_less_for_the_backward():
     with contextlib.redirect_stdout(printed):
       ad_checkpoint.print_saved_residuals(loss, state)
     return [line for line in printed.getvalue().splitlines() if line.strip()]
-  assert len(residuals(True)) < 0.4 * len(residuals(False))
+  full = residuals(True)
+  assert len(full) < 0.4 * len(residuals(False))
+  extra = [line for line in residuals("mixer") if line not in full]
+  assert len(extra) == 4 and all("named 'attention'" in line for line in extra), extra
+
+
+@pytest.mark.parametrize("mixer, options, body, full, kept", [
+    ("frac", {}, "tpu_custom_call", 6, 4),       # the scan kernel: fwd, recompute, bwd
+    ("attention", {"query_chunk": 16}, "stablehlo.while", 24, 16)])  # query-chunk loops
+def test_remat_mixer_keeps_the_mixer_core_out_of_the_recomputation(mixer, options, body,
+                                                                   full, kept):
+  """remat="mixer" saves what the mixers name `MIXER_CORE`: in the gradient of 2 blocks
+  exported for a TPU, the FRAC scan kernel runs twice per block (forward, backward) instead
+  of three times, and attention's loops over its query chunks (4 groups of 16 queries) run
+  in the forward and backward only (8 + 8 loops, as without remat), not again in the
+  recomputation."""
+  from tests import kernel_checks
+  counts = {}
+  for remat in ("full", "mixer"):
+    model = LanguageModel(d_model=32, num_layers=2, num_heads=2, context=64, mixer=mixer,
+                          mixer_options=options, remat=remat, impl="pallas",
+                          rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jnp.arange(64)[None] % 256
+    grad = jax.grad(lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2))
+    counts[remat] = kernel_checks.export_mlir(grad, "tpu", state).count(body)
+  assert (counts["full"], counts["mixer"]) == (full, kept)
+
+
+def test_remat_names_its_policies():
+  with pytest.raises(ValueError, match=r"`remat` must be one of \(False, True, 'none', "
+                                       r"'full', 'mixer'\), got 'some'"):
+    LanguageModel(d_model=32, num_layers=1, num_heads=2, context=16, remat="some",
+                  rngs=nnx.Rngs(0))
 
 
 def test_lm_loss_chunks_a_large_vocabulary(monkeypatch):

@@ -15,7 +15,7 @@ def test_step_is_the_sum_of_its_parts():
   facts = step_estimate.model_facts(SPEC)
   assert facts["layers"] == 12 and facts["context"] == 4096
   assert 0.98 * 135e6 < facts["params"] < 1.02 * 135e6
-  assert facts["remat"]
+  assert facts["remat"] == "full" and facts["heads"] == 12
   cycles = {"mixer/fwd": 500_000, "mixer/bwd": 900_000, "ffn/fwd": 300_000,
             "ffn/bwd": 700_000, "head": 1_500_000}
   parts = {k: dict(status="ok", cycles=c, flops=1e9) for k, c in cycles.items()}
@@ -89,3 +89,47 @@ def test_a_frac_mixers_forward_is_its_three_programs():
   row = step_estimate.estimate(spec, "tpu-v5e", 16, parts)
   mixer = 2 * (100_000 + 3 * 200_000 + 50_000) + 900_000
   assert row["mixer_ms"] == pytest.approx(mixer / chip.clock_hz * 1e3)
+
+
+@pytest.mark.parametrize("mixer, core, times", [("attention", "mixer/fwd:core", 3),
+                                                ("frac", "mixer/fwd:scan", 3)])
+def test_remat_mixer_recomputes_the_mixer_less_its_core(mixer, core, times):
+  """remat="mixer": the backward runs the mixer's forward again less its core (attention's
+  heads from q, k, v, profiled in pieces of 4 of its 12 heads; FRAC's scan), the FFN's whole."""
+  chip = perf.CHIPS["tpu-v5e"]
+  spec = dict(SPEC, mixer=mixer, remat="mixer")
+  programs = step_estimate.part_programs(spec)
+  name, direction, overrides, count = programs[core]
+  assert (direction, count) == ("fwd", times)
+  if mixer == "attention":
+    assert (name, overrides["heads"]) == ("lmstep/attention_core", 4)
+  cycles = {"mixer/fwd": 500_000, "mixer/fwd:pre": 100_000, "mixer/fwd:scan": 100_000,
+            "mixer/fwd:out": 100_000, "mixer/fwd:core": 100_000, "mixer/bwd": 900_000,
+            "ffn/fwd": 300_000, "ffn/bwd": 700_000, "head": 1_500_000}
+  parts = {k: dict(status="ok", cycles=cycles[k], flops=1e9, times=programs[k][3])
+           for k in programs}
+  row = step_estimate.estimate(spec, "tpu-v5e", 16, parts)
+  assert row["remat"] == "mixer"
+  fwd = 500_000
+  mixer_half = fwd + (fwd - times * 100_000) + 900_000
+  assert row["mixer_ms"] == pytest.approx(mixer_half / chip.clock_hz * 1e3)
+  assert row["ffn_ms"] == pytest.approx((2 * 300_000 + 700_000) / chip.clock_hz * 1e3)
+  assert "remat mixer" in step_estimate.line(dict(row, context=4096))
+
+
+def test_a_whole_block_is_one_program():
+  """whole_block: the block as one program (forward and VJP under its remat, as libtpu
+  schedules the recomputation) counted once per layer; refused for kernel blocks."""
+  chip = perf.CHIPS["tpu-v5e"]
+  spec = dict(SPEC, whole_block=True, remat="mixer")
+  programs = step_estimate.part_programs(spec)
+  assert programs == {"block": ("lmstep/block", "fwd+bwd", spec, 1),
+                      "head": ("lmstep/head", "fwd+bwd", spec, 1)}
+  parts = {"block": dict(status="ok", cycles=2_000_000, flops=1e9),
+           "head": dict(status="ok", cycles=1_500_000, flops=1e9)}
+  row = step_estimate.estimate(spec, "tpu-v5e", 16, parts)
+  assert row["block_ms"] == pytest.approx(2_000_000 / chip.clock_hz * 1e3)
+  assert row["compute_ms"] == pytest.approx((12 * 2_000_000 + 1_500_000) / chip.clock_hz * 1e3)
+  assert "one program" in step_estimate.line(dict(row, context=4096))
+  with pytest.raises(ValueError, match="attention \\+ SwiGLU"):
+    step_estimate.part_programs(dict(spec, mixer="frac"))

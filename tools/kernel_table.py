@@ -57,7 +57,7 @@ def _pack3d(dtype):
 
 # (op, the shape it is read at, its inputs)
 OPS = [("FlashFFN", "d_h = 64", _flash_ffn),
-       ("FRAC", "the default chunk, 64", _frac_scan),
+       ("FRAC", "the default chunk", _frac_scan),
        ("Pack3D", "cubes of 4^3 tokens", _pack3d)]
 
 

@@ -28,9 +28,10 @@ dtype. Shapes are the paper's and the configs' (the ones a user runs):
   frac_scan  16k    B=1 L=16384 H=4 P=64 N=16 M=16
              lm     configs/lm_default.py: B=8 L=128 H=4 P=32 N=16 M=default(128)=12
 
-The kernel body is the one `backend=None` picks for the target (Triton on A100, Mosaic GPU
-for bfloat16 FlashFFN, Pack3D and FRAC scan on H100/H200 and for bfloat16 FlashFFN on B200,
-Mosaic on TPU); a case may force one ("...@triton").
+The kernel body is the one `backend=None` picks for the target (Mosaic on TPU; Mosaic GPU for
+bfloat16 FlashFFN on H100/H200, Triton for the rest of the GPU cases); a case may force one
+("...@mosaic_gpu"): the Mosaic GPU bodies that are not a default yet (`OPT_IN`) are compiled
+so, for the generation they serve.
 
 `oversized` cases ask for blocks no chip can hold; the check expects them to FAIL (the
 proof that a kernel that does not fit is caught).
@@ -102,14 +103,24 @@ OVERSIZED = {
 }
 
 
-# Kernel bodies that are not a default, compiled for their generation beside the defaults:
-# FlashFFN's warp-specialized kernels (Hopper; `compute_wgs=2`) at the tuned tiles and with
-# 64-wide table tiles.
+# Kernel bodies that are not a default (measured on no chip: `dispatch.MEASURED_FASTER`),
+# compiled for their generation beside the defaults, bfloat16 (what they serve): on Hopper
+# FlashFFN's warp-specialized kernels (`compute_wgs=2`) at the tuned tiles and with 64-wide
+# table tiles, and every shape of FRAC's and Pack3D's Mosaic GPU bodies; on Blackwell
+# FlashFFN's tcgen05 body.
+def _forced(ops, blocks=()) -> list[Case]:
+  return [Case(op, shape, direction, "bfloat16", blocks, backend="mosaic_gpu")
+          for op in ops for shape, sizes in SHAPES[op].items()
+          for direction in (("grad",) if sizes.get("far_offset") else ("fwd", "grad"))]
+
+
 OPT_IN = {
     "hopper": [Case("flash_ffn", "370m", direction, "bfloat16", blocks, backend="mosaic_gpu")
                for direction in ("fwd", "grad")
                for blocks in ((("compute_wgs", 2),),
-                              (("block_inter", 64), ("compute_wgs", 2)))],
+                              (("block_inter", 64), ("compute_wgs", 2)))]
+              + _forced(("pack3d", "frac_scan")),
+    "blackwell": _forced(("flash_ffn", "flash_ffn_routed")),
 }
 
 

@@ -253,8 +253,11 @@ def _stirling_gammaln(x):
 def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
   """One chip's share of a LanguageModel train step, for `step_estimate`: "mixer" or "ffn" (a
   half of one of its Blocks, x + mixer(norm1(x)) or x + ffn(norm2(x)), parameters float32 as
-  stored: its forward, or with direction "bwd" its VJP alone from the forward's residuals) or
-  "head" (final norm, LM head and the chunked loss on given features, forward and VJP).
+  stored: its forward, or with direction "bwd" its VJP alone from the forward's residuals),
+  "block" (a whole Block, forward and VJP under the model's remat policy: what libtpu makes
+  of the recomputation, fusion across the halves included, for blocks without a kernel),
+  "attention_core" (see `_attention_core`) or "head" (final norm, LM head and the chunked
+  loss on given features, forward and VJP).
   A Block is measured in halves, each kernel in a program of its own: libtpu's profiler
   rejected a FlashFFN block whose forward and backward kernels shared one (138 MiB of VMEM
   asked for; the real compiles fit). libtpu's profiler rejects gathers ("Unsupported DMA
@@ -262,8 +265,8 @@ def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
   one-hot sum (`train.losses._per_position` replaced in this process; same matmuls and
   softmax), and FRAC's mode weights take log-gamma from Stirling's series (`_stirling_gammaln`
   for jax.scipy.special.gammaln in this process: H values per layer). spec: config, mixer,
-  ffn, context, batch (sequences per chip). FLOPs: 2 x the part's parameters x tokens per
-  forward."""
+  ffn, context, batch (sequences per chip), remat (the model's policy; None: the config's).
+  FLOPs: 2 x the part's parameters x tokens per forward."""
   import functools
   import types
 
@@ -276,14 +279,19 @@ def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
   from train import losses
   from train.losses import chunked_cross_entropy
   kwargs = dict(load_config(spec["config"]).model.to_dict(), num_layers=1, impl="pallas")
-  kwargs.update({k: spec[k] for k in ("mixer", "ffn", "context") if spec.get(k)})
+  kwargs.update({k: spec[k] for k in ("mixer", "ffn", "context", "remat") if spec.get(k)})
   jax.scipy.special.gammaln = _stirling_gammaln
   model = nnx.eval_shape(lambda: LanguageModel(**kwargs, interpret=False, dtype=dtype,
                                                rngs=nnx.Rngs(0)))
   b, l, d = spec["batch"], kwargs["context"], kwargs["d_model"]
+  if part == "attention_core":
+    if direction != "fwd":
+      raise ValueError("lmstep/attention_core: forward only (what remat='mixer' keeps out "
+                       "of the recomputation)")
+    return _attention_core(model.blocks[0].mixer, dtype, b, l, spec.get("heads"))
   halves = {"mixer": ("norm1", "mixer"), "ffn": ("norm2", "ffn")}
   split = ("mixer_pre", "mixer_out")
-  in_block = part in (*halves, *split)
+  in_block = part in ("block", *halves, *split)
   module = model.blocks[0] if in_block else model.norm
   graphdef, params, rest = nnx.split(module, nnx.Param, ...)
   leaves, treedef = jax.tree.flatten(params)
@@ -303,6 +311,14 @@ def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
     if direction != "fwd":
       raise ValueError(f"lmstep/{part}: forward only (the VJP of the half is 'lmstep/mixer')")
     return _frac_forward_part(part, module, apply, specs, k, b * l)
+
+  if part == "block":
+    from models.lm import REMAT_POLICIES
+    block = lambda *a: apply(a)(a[k])
+    if model.remat != "none":
+      block = jax.checkpoint(block, policy=REMAT_POLICIES[model.remat])
+    weights = sum(math.prod(shape) for shape, _ in specs[:k])
+    return _with_grad(block, specs, k + 1, 2 * b * l * weights, "", "fwd+bwd")
   if part in halves:
     names = halves[part]
     weights = sum(math.prod(p.shape) for name in names
@@ -329,6 +345,20 @@ def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
 
   return _with_grad(head, specs + [((b, l), jnp.int32)], k + 1, 2 * b * l * weights, "",
                     "fwd+bwd")
+
+
+def _attention_core(mixer, dtype, batch: int, length: int, heads: int | None) -> Program:
+  """The attention mixer's heads' outputs from their q, k, v (`models.attention.causal_heads`
+  at the layer's query chunk): the part of the half's forward that remat="mixer" keeps
+  (`step_estimate`). heads: profile that many of the layer's heads (the work is linear in
+  heads; the query chunk stays the layer's). FLOPs: the causal half of q k^T and P v."""
+  from models.attention import causal_heads, default_query_chunk
+  d = mixer.wq.shape[-1]
+  chunk = mixer.query_chunk or default_query_chunk(mixer.num_heads, length)
+  spec = ((batch, length, heads or mixer.num_heads, d), dtype)
+  flops = 2 * 2 * batch * spec[0][2] * d * length * (length + 1) // 2
+  return Program(lambda q, k, v: causal_heads(q, k, v, chunk), [spec] * 3, flops,
+                 _nbytes([spec] * 4), "")
 
 
 def _frac_forward_part(part: str, block, apply, specs, k: int, tokens: int) -> Program:
@@ -407,6 +437,9 @@ PROGRAMS = {
     "lmstep/head": ("lmstep", "a LanguageModel's final norm, head and loss, fwd + VJP"),
     "lmstep/mixer_pre": ("lmstep", "a FRAC mixer half's forward up to its scan (not in it)"),
     "lmstep/mixer_out": ("lmstep", "a FRAC mixer half's forward from the scan's output"),
+    "lmstep/attention_core": ("lmstep", "an attention mixer's heads' outputs from q, k, v"),
+    "lmstep/block": ("lmstep", "a whole Block, fwd + VJP under the model's remat (programs "
+                     "without a kernel: libtpu's profiler rejects FlashFFN's and FRAC's)"),
 }
 KERNEL_PREFIX = {"flash_ffn": "flash_ffn", "frac": "frac_scan", "pack3d": "pack3d",
                  "layer": "flash_ffn"}

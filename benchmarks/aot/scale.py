@@ -41,6 +41,13 @@ def collectives(hlo: str) -> dict:
   return {k: v for k, v in counts.items() if v}
 
 
+def _remat(value: str):
+  """--remat's value as LanguageModel takes it: "none", "full" or "mixer"."""
+  value = value.lower()
+  return {"false": "none", "0": "none", "no": "none", "true": "full", "1": "full",
+          "yes": "full"}.get(value, value)
+
+
 def per_chip_gib(tree) -> float:
   """The bytes one chip holds of a tree of sharded ShapeDtypeStructs, in GiB."""
   import jax
@@ -58,8 +65,9 @@ def main(argv=None):
   parser.add_argument("--context", type=int, help="(default: the config's)")
   parser.add_argument("--mixer", help="(default: the config's)")
   parser.add_argument("--ffn", help="(default: the config's)")
-  parser.add_argument("--remat", type=lambda v: v.lower() in ("1", "true", "yes"),
-                      help="true / false: LanguageModel(remat=...) (default: the config's)")
+  parser.add_argument("--remat", type=_remat,
+                      help="none, full or mixer: LanguageModel(remat=...) (default: "
+                           "the config's)")
   parser.add_argument("--batch_per_chip", type=int, default=1)
   parser.add_argument("--largest", type=int, default=0,
                       help="also list the N largest slices of the temporaries (their shapes)")
@@ -152,7 +160,8 @@ def main(argv=None):
         f"d={m['d_model']} x{m['num_layers']} {m['mixer']}+{m['ffn']}, "
         f"{param_count / 1e6:.0f}M params, vocabulary {m['vocab_size']}, context {m['context']}, "
         f"batch {batch} ({args.batch_per_chip}/chip), {config.compute_dtype}"
-        f"{', remat per block' if m['remat'] else ''}; compiled in "
+        f", remat {m['remat']}; "
+        f"compiled in "
         f"{time.perf_counter() - start:.0f} s")
   print(f"  per chip: arguments {gib(memory.argument_size_in_bytes):.2f} GiB, outputs "
         f"{gib(memory.output_size_in_bytes):.2f} (aliased {gib(memory.alias_size_in_bytes):.2f})"

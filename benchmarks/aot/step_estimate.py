@@ -12,7 +12,9 @@ The parts of one chip's step (FSDP over every chip, as `configs/lm_paper.py` tra
   forward ("fwd") and its VJP from the forward's residuals ("bwd") in programs of their own,
   so no program holds two kernels (libtpu's profiler rejected a FlashFFN block with both):
   per half, fwd + bwd, plus a second fwd under the model's remat (the backward recomputes
-  the block's forward). Cross-half fusion is lost (a residual add). The embedding lookup and its
+  the block's forward; with remat="mixer" less the mixer's core, which it keeps: FRAC's scan,
+  or attention's heads' outputs from q, k, v, "lmstep/attention_core", profiled with its
+  heads in pieces like FRAC's scan). Cross-half fusion is lost (a residual add). The embedding lookup and its
   gradient are left out (libtpu's profiler rejects the gather; a [tokens, d] read and
   scatter-add, small beside the head's matmuls). A FRAC mixer's forward is three programs
   (libtpu's profiler fails the whole half, and runs out of this machine's memory on the scan
@@ -50,19 +52,20 @@ ADAMW_BYTES_PER_PARAM = 28
 
 
 def model_facts(spec: dict) -> dict:
-  """Parameters and depth of the model `spec` describes (an abstract build: no arrays), and
-  for a FRAC mixer its scan's shape per sequence (FRAC's keys: h, p, n, m)."""
+  """Parameters, depth, heads and remat policy ("none", "full" or "mixer") of the model `spec`
+  describes (an abstract build: no arrays), and for a FRAC mixer its scan's shape per
+  sequence (FRAC's keys: h, p, n, m)."""
   import jax
   from flax import nnx
 
   from benchmarks.aot.scale import load_config
   from models import LanguageModel
   kwargs = dict(load_config(spec["config"]).model.to_dict())
-  kwargs.update({k: spec[k] for k in ("mixer", "ffn", "context") if spec.get(k)})
+  kwargs.update({k: spec[k] for k in ("mixer", "ffn", "context", "remat") if spec.get(k)})
   model = nnx.eval_shape(lambda: LanguageModel(**kwargs, rngs=nnx.Rngs(0)))
   params = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
   facts = dict(params=params, layers=kwargs["num_layers"], context=kwargs["context"],
-               remat=bool(kwargs.get("remat")))
+               heads=kwargs["num_heads"], remat=model.remat)
   if kwargs["mixer"] in SCAN_MIXERS:
     mixer = model.blocks[0].mixer
     facts["scan"] = dict(h=mixer.num_heads, p=mixer.head_dim, n=mixer.state_dim,
@@ -77,18 +80,38 @@ DIRECTION = {part: part.partition("/")[2] or "fwd+bwd" for part in PARTS}
 SCAN_MIXERS = ("frac", "mamba2")
 SCAN_PARTS = ("mixer/fwd:pre", "mixer/fwd:scan", "mixer/fwd:out")   # a FRAC mixer's forward
 HEADS_PER_PIECE = 4
+# The part of a mixer's forward that remat="mixer" keeps out of the recomputation
+# (`models.lm.REMAT_POLICIES`): FRAC's scan, attention's heads' outputs from q, k, v.
+CORE_PART = {"frac": "mixer/fwd:scan", "mamba2": "mixer/fwd:scan",
+             "attention": "mixer/fwd:core"}
+
+
+def _piece(heads: int) -> int:
+  """Heads per profiled piece: the largest divisor of `heads` up to HEADS_PER_PIECE."""
+  return max(d for d in range(1, HEADS_PER_PIECE + 1) if heads % d == 0)
 
 
 def part_programs(spec: dict) -> dict:
   """{part: (perf_programs name, direction, overrides, times)}: what to profile for each part
-  of the step (`times`: how often a piece counts)."""
+  of the step (`times`: how often a piece counts). spec["whole_block"]: the block as one
+  program, forward and VJP under its remat ("lmstep/block"), and the head."""
+  if spec.get("whole_block"):
+    if (spec["mixer"], spec["ffn"]) != ("attention", "swiglu"):
+      raise ValueError("step_estimate: whole_block profiles blocks without a kernel only "
+                       "(attention + SwiGLU): libtpu's profiler rejects FlashFFN's and FRAC's")
+    return {"block": ("lmstep/block", "fwd+bwd", spec, 1),
+            "head": ("lmstep/head", "fwd+bwd", spec, 1)}
   programs = {part: (f"lmstep/{part.partition('/')[0]}", DIRECTION[part], spec, 1)
               for part in PARTS}
+  facts = model_facts(spec)
+  if spec["mixer"] == "attention" and facts["remat"] == "mixer":
+    piece = _piece(facts["heads"])
+    programs["mixer/fwd:core"] = ("lmstep/attention_core", "fwd", dict(spec, heads=piece),
+                                  facts["heads"] // piece)
   if spec["mixer"] in SCAN_MIXERS:
     del programs["mixer/fwd"]
-    facts = model_facts(spec)
     scan = facts["scan"]
-    piece = max(d for d in range(1, HEADS_PER_PIECE + 1) if scan["h"] % d == 0)
+    piece = _piece(scan["h"])
     shape = dict(scan, b=spec["batch"], l=facts["context"], h=piece)
     programs.update({"mixer/fwd:pre": ("lmstep/mixer_pre", "fwd", spec, 1),
                      "mixer/fwd:scan": ("frac/kernel", "fwd", {"shape": shape},
@@ -112,11 +135,18 @@ def estimate(spec: dict, target: str, chips: int, parts: dict) -> dict:
     if seconds[name] < floor:
       untrusted.append(f"{name} {seconds[name] * 1e3:.2f} ms < its FLOP floor "
                        f"{floor * 1e3:.2f} ms")
-  if "mixer/fwd" not in seconds:
-    seconds["mixer/fwd"] = sum(seconds[part] for part in SCAN_PARTS)
-  forwards = 2 if facts["remat"] else 1
-  half = {h: forwards * seconds[f"{h}/fwd"] + seconds[f"{h}/bwd"] for h in HALVES}
-  block = sum(half.values())
+  if "block" in seconds:   # the whole block, its recomputation as libtpu schedules it
+    half, block = None, seconds["block"]
+  else:
+    if "mixer/fwd" not in seconds:
+      seconds["mixer/fwd"] = sum(seconds[part] for part in SCAN_PARTS)
+    # what the backward runs again: nothing, each half's forward ("full"), or that less the
+    # mixer's core ("mixer")
+    recompute = {h: 0.0 if facts["remat"] == "none" else seconds[f"{h}/fwd"] for h in HALVES}
+    if facts["remat"] == "mixer":
+      recompute["mixer"] -= seconds[CORE_PART[spec["mixer"]]]
+    half = {h: seconds[f"{h}/fwd"] + recompute[h] + seconds[f"{h}/bwd"] for h in HALVES}
+    block = sum(half.values())
   compute = seconds["head"] + facts["layers"] * block
   optimizer = ADAMW_BYTES_PER_PARAM * facts["params"] / chips / chip.hbm_bytes_per_s
   collectives = 3 * 4 * facts["params"] * (chips - 1) / chips / ICI_BYTES_PER_S[target]
@@ -124,8 +154,8 @@ def estimate(spec: dict, target: str, chips: int, parts: dict) -> dict:
   peak = chip.clock_hz * chip.flops_per_cycle
   mfu = lambda step: 6 * facts["params"] * tokens / (peak * step)
   low, high = compute + optimizer, compute + optimizer + collectives
-  return dict(spec, target=target, chips=chips, params=facts["params"],
-              block_ms=block * 1e3, mixer_ms=half["mixer"] * 1e3, ffn_ms=half["ffn"] * 1e3,
+  return dict(spec, remat=facts["remat"], target=target, chips=chips, params=facts["params"],
+              block_ms=block * 1e3, **{f"{h}_ms": half[h] * 1e3 for h in HALVES if half},
               head_ms=seconds["head"] * 1e3,
               compute_ms=compute * 1e3, optimizer_ms=optimizer * 1e3,
               collectives_ms=collectives * 1e3, step_ms=(low * 1e3, high * 1e3),
@@ -138,9 +168,12 @@ def line(row: dict) -> str:
     return f"| {row['config']} {row['mixer']} + {row['ffn']} | error: {row['error']} |"
   step, tps, mfu = row["step_ms"], row["tokens_per_s_per_chip"], row["mfu"]
   flag = " (untrusted: " + "; ".join(row["untrusted"]) + ")" if row["untrusted"] else ""
+  remat = {"mixer": ", remat mixer", "none": ", no remat"}.get(row.get("remat"), "")
+  halves = (f"mixer {row['mixer_ms']:.2f}, FFN {row['ffn_ms']:.2f}" if "mixer_ms" in row
+            else "one program")
   return (f"| {row['config']} {row['mixer']} + {row['ffn']}, {row['context']} x "
-          f"{row['batch']}/chip | {row['compute_ms']:.1f} ({row['block_ms']:.2f} / block: mixer "
-          f"{row['mixer_ms']:.2f}, FFN {row['ffn_ms']:.2f}; head {row['head_ms']:.1f}) | "
+          f"{row['batch']}/chip{remat} | {row['compute_ms']:.1f} ({row['block_ms']:.2f} / "
+          f"block: {halves}; head {row['head_ms']:.1f}) | "
           f"{row['optimizer_ms']:.2f} | {row['collectives_ms']:.1f} | {step[0]:.1f} - "
           f"{step[1]:.1f} | {tps[0]:,.0f} - {tps[1]:,.0f} | {100 * mfu[0]:.0f}% - "
           f"{100 * mfu[1]:.0f}%{flag} |")
@@ -156,6 +189,11 @@ def main(argv=None):
   parser.add_argument("--mixer", default="attention")
   parser.add_argument("--ffn", default="swiglu")
   parser.add_argument("--context", type=int, default=0, help="(default: the config's)")
+  parser.add_argument("--remat", default="", choices=("", "full", "mixer"),
+                      help="LanguageModel(remat=...) (default: the config's)")
+  parser.add_argument("--whole_block", action="store_true",
+                      help="profile each block as one program (fwd + VJP under its remat): "
+                           "attention + SwiGLU only")
   parser.add_argument("--target", default="tpu-v5e", choices=sorted(perf.CHIPS))
   parser.add_argument("--chips", type=int, default=16)
   parser.add_argument("--batch_per_chip", type=int, default=1)
@@ -165,7 +203,8 @@ def main(argv=None):
                       help="results file; rows are added (same model and target replaced)")
   args = parser.parse_args(argv)
   spec = dict(config=args.config, mixer=args.mixer, ffn=args.ffn, batch=args.batch_per_chip,
-              context=args.context or None)
+              context=args.context or None, remat=args.remat or None,
+              whole_block=args.whole_block)
   parts = {}
   for part, (program, direction, overrides, times) in part_programs(spec).items():
     parts[part] = dict(perf.run_worker(args.target, program, direction, "bfloat16", overrides,
@@ -181,7 +220,7 @@ def main(argv=None):
   out = pathlib.Path(args.out)
   rows = json.loads(out.read_text()) if out.exists() else []
   key = lambda r: (r["config"], r["mixer"], r["ffn"], r.get("context"), r.get("target"),
-                   r.get("chips"), r["batch"])
+                   r.get("chips"), r["batch"], r.get("remat", "full"), bool(r.get("whole_block")))
   rows = [r for r in rows if key(r) != key(row)] + [row]
   out.write_text(json.dumps(rows, indent=1) + "\n")
   return 1 if "error" in row else 0

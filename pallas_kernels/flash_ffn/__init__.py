@@ -14,7 +14,8 @@ accumulators), `triton.py` (GPU: reductions as fori_loops inside each program),
 tcgen05 with tensor-memory accumulators).
 
 `mhffn` is the one public entry point. It dispatches with `jax.lax.platform_dependent`:
-Mosaic on TPU; on a CUDA GPU Mosaic GPU for Hopper and Blackwell and Triton otherwise
+Mosaic on TPU; on a CUDA GPU Mosaic GPU for Hopper (measured faster than Triton on an H200)
+and Triton otherwise, Blackwell included until its tcgen05 body is measured
 (`dispatch.gpu_backend`); the Mosaic kernel in interpret mode elsewhere (CPU). For
 the backward it keeps (q, r^T, K, U, V) with the router transposed to [H, E, T], tokens
 on the lane axis (see `tiles.py`), never the [T, H, E] form a TPU pads to 128 lanes.
@@ -203,8 +204,9 @@ def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **bl
     r: [B, L, H, E] normalized router weights.
     k, u, v: [H, E, d_e, d_h] gate / up / down tables (q's dtype).
     interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Mosaic GPU on
-      Hopper and Blackwell for 16-bit inputs and heads it serves, `tiles.MAX_D_H`; Triton
-      otherwise); True (or the backend's interpreter params, `pltpu.InterpretParams` /
+      Hopper for 16-bit inputs and heads it serves, `tiles.MAX_D_H`; Triton otherwise, and
+      on Blackwell until its body is measured on a chip: `dispatch.MEASURED_FASTER`); True
+      (or the backend's interpreter params, `pltpu.InterpretParams` /
       `plgpu.InterpretGPUParams`) interprets everywhere; False never interprets.
     backend: force one lowering ("mosaic", "triton" or "mosaic_gpu", the last on jax >=
       0.11.2); with `interpret` this runs the other platform's kernel body on CPU.

@@ -18,9 +18,9 @@ states; SSD's order, every kernel a program per chunk, the walk over the chunks 
 elementwise scan in XLA between them).
 
 `frac_scan` is the one public entry point; it dispatches with
-`jax.lax.platform_dependent`: Mosaic on TPU; on a CUDA GPU Mosaic GPU for 16-bit inputs on
-Hopper when the chunk is 64 (the default there) and Triton otherwise
-(`dispatch.gpu_backend`); the Mosaic kernel in interpret mode elsewhere (CPU).
+`jax.lax.platform_dependent`: Mosaic on TPU; Triton on a CUDA GPU (Mosaic GPU, for 16-bit
+inputs on Hopper with a chunk of 64, has run on no chip, so it is opt-in:
+`dispatch.MEASURED_FASTER`); the Mosaic kernel in interpret mode elsewhere (CPU).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _check_powers_of_two(block_sizes: dict) -> None:
 def _plan(x, b, rates, chunk, backend) -> TilePlan:
   """The tile plan for `chunk`; None: the chip's `TPU_CHUNK` in a program traced for TPU,
   Mosaic GPU's 64 where it will run the scan (forced, or picked on Hopper for 16-bit inputs
-  and a shape it serves), else Triton's 32."""
+  and a shape it serves once measured there: `dispatch.gpu_backend`), else Triton's 32."""
   make = lambda chunk: TilePlan.make(x, b, rates, chunk=chunk, mode_align=MODE_ALIGN, pow2=True)
   if chunk is not None:
     if not isinstance(chunk, int) or chunk <= 0:
@@ -66,7 +66,7 @@ def _plan(x, b, rates, chunk, backend) -> TilePlan:
     return make(chunk)
   if backend in (None, "mosaic") and target_platform() == "tpu":
     return make(TPU_CHUNK.get(current_chip(), TPU_CHUNK[None]))
-  on_hopper = backend is None and gpu_backend(_BACKENDS, x.dtype) == "mosaic_gpu"
+  on_hopper = backend is None and gpu_backend("frac_scan", _BACKENDS, x.dtype) == "mosaic_gpu"
   if backend == "mosaic_gpu" or on_hopper:
     plan = make(mosaic_gpu.CHUNK)
     if backend == "mosaic_gpu" or not mosaic_gpu.unsupported(plan):
@@ -87,15 +87,15 @@ def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int | N
       [M, N, P] each). None: in a program traced for TPU, the chip's `blocks.TPU_CHUNK`
       (v5e 128, v6e 256: the fastest the scoped VMEM takes); 64 where the GPU kernel is
       Mosaic GPU (WGMMA's M; its only chunk, or one chunk holding the whole sequence); else
-      32 (which keeps a Triton program's registers from spilling). With another chunk (or N > 32) `backend=None`
-      runs Triton on Hopper too, and backend="mosaic_gpu" raises.
+      32 (which keeps a Triton program's registers from spilling). With another chunk (or
+      N > 32) backend="mosaic_gpu" raises.
     interpret: None interprets on CPU and compiles on TPU and GPU; True (or the backend's
       interpreter params, `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`) interprets
       everywhere; False never interprets.
     backend: force one lowering ("mosaic", "triton" or "mosaic_gpu", the last on jax >=
       0.11.2 for 16-bit inputs on a chip); with `interpret` this runs that kernel body on
-      CPU. None: Mosaic on TPU; on a CUDA GPU Mosaic GPU on Hopper for 16-bit inputs
-      (`dispatch.gpu_backend`) where the chunk allows, else Triton.
+      CPU. None: Mosaic on TPU; Triton on a CUDA GPU (Mosaic GPU only where it was
+      measured faster on a chip, `dispatch.gpu_backend`: nowhere yet).
     **block_sizes: overrides of `BlockSizes` fields (p_block, m_block: powers of two;
       num_warps, num_stages);
       defaults from `TUNED` for the chip and dtype.

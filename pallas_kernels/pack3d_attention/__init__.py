@@ -30,8 +30,9 @@ neighbours and summaries, head-major operands), `mosaic_gpu.py` (Hopper GPUs, ja
 0.11.2: TMA and WGMMA, one warpgroup per cube of 64 slots).
 
 `pack3d_attention` is the one public entry point; it dispatches with
-`pallas_kernels.dispatch` (Mosaic on TPU; on a CUDA GPU Mosaic GPU for Hopper with 16-bit
-inputs and cubes of 33 to 64 tokens, Triton otherwise; interpret mode on CPU).
+`pallas_kernels.dispatch` (Mosaic on TPU; Triton on a CUDA GPU: the Mosaic GPU body, for
+Hopper with 16-bit inputs and cubes of 33 to 64 tokens, has run on no chip, so it is opt-in;
+interpret mode on CPU).
 """
 
 from __future__ import annotations
@@ -210,8 +211,8 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
     levels, level_radius, max_top_cubes, level_key_gain: the multi-level far field, as in
       `jaxops.pack3d.pack3d_attention` (DESIGN.md section 3.1); levels=1 is the single level.
       The kernels visit every summary of every level per query cube (module docstring).
-    interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Mosaic GPU on
-      Hopper for 16-bit inputs and cubes of 33 to 64 tokens, Triton otherwise); True (or the
+    interpret: None interprets on CPU and compiles on TPU (Mosaic) and GPU (Triton; Mosaic
+      GPU where forced or measured faster, `dispatch.gpu_backend`); True (or the
       backend's interpreter params, `pltpu.InterpretParams` / `plgpu.InterpretGPUParams`)
       interprets everywhere; False never interprets.
     backend: force one lowering ("mosaic", "triton" or "mosaic_gpu", the last on jax >=
