@@ -7,7 +7,12 @@ import pytest
 from benchmarks.aot import perf, step_estimate
 
 SPEC = dict(config="configs/lm_paper.py:125m", mixer="attention", ffn="swiglu", batch=1,
-            context=None)
+            context=None, remat="full")
+
+
+def test_the_papers_configs_keep_the_mixers_core():
+  """configs/lm_paper.py rematerialises with "mixer" (the shorter step that fits at 4k)."""
+  assert step_estimate.model_facts(dict(SPEC, remat=None))["remat"] == "mixer"
 
 
 def test_step_is_the_sum_of_its_parts():
