@@ -175,10 +175,10 @@ def test_language_model_formula_and_init():
   assert (mixer.context, mixer.num_heads, mixer.num_modes) == (4096, 2, 16)
 
 
-@pytest.mark.parametrize("remat", [True, "mixer"])
-def test_remat_recomputes_blocks_with_the_same_gradients(remat):
-  """remat=True ("full") or "mixer": the same loss gradients (to float32 rounding: jitted,
-  XLA fuses the programs differently; within 1e-5 of each array's largest entry)."""
+def test_remat_recomputes_blocks_with_the_same_gradients():
+  """remat=True ("full"): the same loss gradients (to float32 rounding: jitted, XLA fuses the
+  two programs differently; within 1e-5 of each array's largest entry). "mixer" changes only
+  what is saved, not the math (its test below counts what it keeps)."""
   def setup(remat):
     model = LanguageModel(d_model=32, num_layers=2, num_heads=2, context=16, mixer="frac",
                           ffn="flashffn", mixer_options={"head_dim": 16, "state_dim": 8},
@@ -188,7 +188,7 @@ def test_remat_recomputes_blocks_with_the_same_gradients(remat):
     tokens = jnp.arange(32).reshape(2, 16) % 256
     return (lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)), state
   loss, state = setup(False)
-  loss_remat, state_remat = setup(remat)
+  loss_remat, state_remat = setup(True)
   for a, b in zip(jax.tree.leaves(jax.jit(jax.grad(loss))(state)),
                   jax.tree.leaves(jax.jit(jax.grad(loss_remat))(state_remat))):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(a))))

@@ -334,3 +334,28 @@ def test_a_kernel_layers_gradients_are_reduced_before_the_layer_below_runs_its_b
   barriers = [sorted(v.aval.shape for v in e.invars)
               for e in _equations(jaxpr.jaxpr, "optimization_barrier")]
   assert wanted in barriers, barriers
+
+
+def test_remat_mixer_keeps_the_scan_through_the_layers_shard_map():
+  """remat="mixer" under the 2x2x2 mesh: the FRAC scan's named outputs and chunk-start states,
+  computed inside `shard_layer`'s shard_map, are still what the backward keeps (as the map's
+  outputs): 2 more residuals per layer than "full", as on one device."""
+  import contextlib
+  import io
+
+  from jax import ad_checkpoint
+
+  def residuals(remat):
+    model = LanguageModel(d_model=32, num_layers=2, num_heads=2, context=32, mixer="frac",
+                          remat=remat, impl="pallas",
+                          mixer_options={"head_dim": 16, "state_dim": 8}, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jnp.arange(4 * 32).reshape(4, 32) % 256
+    printed = io.StringIO()
+    with jax.set_mesh(sharding.make_mesh(MESH)), contextlib.redirect_stdout(printed):
+      ad_checkpoint.print_saved_residuals(
+          lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2), state)
+    return printed.getvalue().splitlines()
+  full = residuals("full")
+  extra = [line for line in residuals("mixer") if line not in full]
+  assert len(extra) == 4 and all("output of shard_map" in line for line in extra), extra

@@ -175,6 +175,7 @@ MUTANTS = [
       f"{LM}::test_remat_keeps_less_for_the_backward"),
     m("frac_scan_unnamed_for_remat", "jaxops/frac.py",
       "y, state, starts = checkpoint_name((y, state, starts), CHECKPOINT_NAME)", "pass",
+      "tests/test_param_sharding.py::test_remat_mixer_keeps_the_scan_through_the_layers_shard_map",
       f"{LM}::test_remat_mixer_keeps_the_mixer_core_out_of_the_recomputation"),
     m("attention_heads_unnamed_for_remat", "models/attention.py",
       "checkpoint_name(causal_heads(q, k, v, chunk), CHECKPOINT_NAME)",
