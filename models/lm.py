@@ -54,10 +54,12 @@ REMAT_POLICIES = {
 }
 
 
-def _remat_call(policy: str, block, x):
-  """block(x) with its activations recomputed in the backward, keeping what `policy` (one of
-  REMAT_POLICIES) names."""
-  return nnx.remat(lambda block, x: block(x), policy=REMAT_POLICIES[policy])(block, x)
+def block_call(remat: str, block, x):
+  """block(x) under a LanguageModel's `remat` ("none", or one of REMAT_POLICIES: its
+  activations recomputed in the backward, keeping what the policy names)."""
+  if remat == "none":
+    return block(x)
+  return nnx.remat(lambda block, x: block(x), policy=REMAT_POLICIES[remat])(block, x)
 
 
 class LanguageModel(nnx.Module):
@@ -153,7 +155,7 @@ class LanguageModel(nnx.Module):
     table = constrain(self.embed[...], (None, None))
     x = constrain(table[tokens].astype(self.dtype or jnp.float32), ("batch", "seq", None))
     for block in self.blocks:
-      x = block(x) if self.remat == "none" else _remat_call(self.remat, block, x)
+      x = block_call(self.remat, block, x)
     return self.norm(x)
 
   def init_cache(self, batch: int):

@@ -313,10 +313,8 @@ def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
     return _frac_forward_part(part, module, apply, specs, k, b * l)
 
   if part == "block":
-    from models.lm import REMAT_POLICIES
-    block = lambda *a: apply(a)(a[k])
-    if model.remat != "none":
-      block = jax.checkpoint(block, policy=REMAT_POLICIES[model.remat])
+    from models.lm import block_call
+    block = lambda *a: block_call(model.remat, apply(a), a[k])
     weights = sum(math.prod(shape) for shape, _ in specs[:k])
     return _with_grad(block, specs, k + 1, 2 * b * l * weights, "", "fwd+bwd")
   if part in halves:
