@@ -26,7 +26,9 @@ and does each state term as one matmul of contraction M N, with [Q, M N] tiles l
 
 Precision: matmuls of inputs (x, c, bd, their cotangents) run in the input dtype with
 float32 accumulation (bf16 on the MXU / tensor cores for bf16 inputs); everything that
-touches a state, and every decay, is float32 (f32 matmuls at HIGHEST precision). The Mosaic
+touches a state, and every decay, is float32 (f32 matmuls at HIGHEST precision; in the
+stacked form, for 16-bit inputs, a matmul with a state carries 16 significant bits,
+`_state_dot`, the inputs' own 8 being the larger error). The Mosaic
 GPU kernel differs here: its WGMMA operands, states included, are in the input dtype (float32
 accumulation), since TF32 WGMMA would need transposed copies of every state operand.
 """
@@ -288,13 +290,15 @@ def _dot01(form, a, b, low):
   return _split_dot(form, a, b, 3 if low == _F32 else 2)
 
 
-def _by_bf16(form, a, b):
-  """form(a, b) at HIGHEST's float32 accuracy where one operand is bf16 (a 16-bit input's
-  own values): the other in three parts, three passes instead of six. Neither bf16
-  (float32 inputs): a HIGHEST float32 matmul."""
-  if jnp.bfloat16 in (a.dtype, b.dtype):
-    return _split_dot(form, a, b, 3)
-  return _f32(form, a, b)
+def _state_dot(form, a, b, low):
+  """form(a, b) where one operand is a state or its cotangent (float32). For float32 inputs
+  (`low`) a HIGHEST float32 matmul (six passes). For 16-bit inputs 16 significant bits, as
+  `_dot01`'s: each float32 operand in two bf16 parts (a bf16 one is its own part), the
+  product of the two low parts left out: two or three passes."""
+  if low == _F32:
+    return _f32(form, a, b)
+  return sum(form(p, q) for i, p in enumerate(_bf16_parts(a, 2))
+             for j, q in enumerate(_bf16_parts(b, 2)) if i + j < 2)
 
 
 class _Stacked(NamedTuple):
@@ -351,7 +355,7 @@ def chunk_forward_stacked(x, bd, c, t, modes: Modes, state, *, num_modes: int):
   st = _stacked(modes, bd.shape[1], num_modes)
   y = _intra_forward(x, bd, c, k, low)
   into = st.weight * jnp.exp(-st.rate * t)                                   # [Q, K]
-  y += _f32(tiling.dot, _dot01(tiling.dot, c, st.rep, low) * into, state)
+  y += _state_dot(tiling.dot, _dot01(tiling.dot, c, st.rep, low) * into, state, low)
   out_t = st.live_col * jnp.exp(-st.rate_col * (k.t_end - k.t_row))          # [K, Q]
   keep = jnp.exp(-st.rate_col * k.t_end)                                     # [K, 1]
   update = _dot01(tiling.dot_nt, st.rep_t, bd, low) * out_t                  # [K, Q]
@@ -370,18 +374,18 @@ def chunk_backward_stacked(x, bd, c, t, modes: Modes, state, dy, dstate, *, num_
   out_of = jnp.exp(-st.rate * (k.t_end - t))                                 # [Q, K]
   # y += (c_rep * into) S
   c_rep = _dot01(tiling.dot, c, st.rep, low)                                 # [Q, K]
-  d_c_in = _by_bf16(tiling.dot_nt, dy, state)                                # [Q, K]
+  d_c_in = _state_dot(tiling.dot_nt, dy, state, low)                         # [Q, K]
   dc += _dot01(tiling.dot_nt, d_c_in * into, st.rep, low)
   d_into = _dot01(tiling.dot, d_c_in * c_rep, st.of, low)                    # [Q, M_pad]
   into_t = st.weight_col * jnp.exp(-st.rate_col * k.t_row)                   # [K, Q]
   keep_col = jnp.exp(-st.rate_col * k.t_end)
-  dstate_start = keep_col * dstate + _by_bf16(
-      tiling.dot, _dot01(tiling.dot_nt, st.rep_t, c, low) * into_t, dy)
+  dstate_start = keep_col * dstate + _state_dot(
+      tiling.dot, _dot01(tiling.dot_nt, st.rep_t, c, low) * into_t, dy, low)
   # S' = keep S + (bd_rep * out_of)^T x
   bd_rep = _dot01(tiling.dot, bd, st.rep, low)
-  d_bd_out = _by_bf16(tiling.dot_nt, x, dstate)                              # [Q, K]
+  d_bd_out = _state_dot(tiling.dot_nt, x, dstate, low)                       # [Q, K]
   dbd += _dot01(tiling.dot_nt, d_bd_out * out_of, st.rep, low)
-  dx += _f32(tiling.dot, bd_rep * out_of, dstate)
+  dx += _state_dot(tiling.dot, bd_rep * out_of, dstate, low)
   # Through the decays, per mode ([Q, M_pad] columns, [1, M_pad] rows).
   rates = modes.rates
   grow, out_m = jnp.exp(-rates * t), jnp.exp(-rates * (k.t_end - t))
