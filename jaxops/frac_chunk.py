@@ -133,10 +133,11 @@ class _Mode(NamedTuple):
   keep: jax.Array    # [1, 1] e^{-r t_Q}
 
 
-def _prepare(t, modes: Modes, num_modes: int) -> _Chunk:
+def _prepare(t, modes: Modes, num_modes: int, t_row=None) -> _Chunk:
+  """t [Q, 1]; t_row: t as a row [1, Q] where the caller has it."""
   q = t.shape[0]
   causal = _iota((q, q), 0) >= _iota((q, q), 1)
-  t_row = _to_row(t)
+  t_row = _to_row(t) if t_row is None else t_row
   delta = jnp.where(causal, t - t_row, 0.0)
   lmix = jnp.zeros_like(delta)
   for j in range(num_modes):
@@ -340,10 +341,12 @@ def _stacked(modes: Modes, n: int, num_modes: int) -> _Stacked:
                   jnp.where(_iota((k_rows, 1), 0) < num_modes * n, 1.0, 0.0))
 
 
-def chunk_forward_stacked(x, bd, c, t, modes: Modes, state, *, num_modes: int):
+def chunk_forward_stacked(x, bd, c, t_row, modes: Modes, state, *, num_modes: int):
   """`chunk_forward` with the states stacked: state [K, p] float32, K = M_pad N, mode j in
   rows j N .. j N + N - 1 (N a power of two; the modes past num_modes are padding and their
-  rows stay zero). Returns (y [Q, p], the end state [K, p]), float32.
+  rows stay zero), and t as a row t_row [1, Q] (the Mosaic kernel reads a chunk's t as one
+  row: as a column [Q, 1] it would fill a 128-lane row per token). Returns (y [Q, p], the end
+  state [K, p]), float32.
 
     y  = ((c bd^T) * Lmix) x + ((c rep) * into) S,    into[t, k] = w_k e^{-r_k t_t}
     S' = keep * S + (rep^T bd^T * out_t) x,           out_t[k, t] = e^{-r_k (t_Q - t_t)}
@@ -351,7 +354,8 @@ def chunk_forward_stacked(x, bd, c, t, modes: Modes, state, *, num_modes: int):
   The update's [K, Q] factor is built transposed, so no matmul contracts over sublanes.
   """
   low = x.dtype
-  k = _prepare(t, modes, num_modes)
+  t = _to_col(t_row)
+  k = _prepare(t, modes, num_modes, t_row)
   st = _stacked(modes, bd.shape[1], num_modes)
   y = _intra_forward(x, bd, c, k, low)
   into = st.weight * jnp.exp(-st.rate * t)                                   # [Q, K]
@@ -362,12 +366,14 @@ def chunk_forward_stacked(x, bd, c, t, modes: Modes, state, *, num_modes: int):
   return y, keep * state + _mm(tiling.dot, update, x, low)
 
 
-def chunk_backward_stacked(x, bd, c, t, modes: Modes, state, dy, dstate, *, num_modes: int):
+def chunk_backward_stacked(x, bd, c, t_row, modes: Modes, state, dy, dstate, *,
+                           num_modes: int):
   """Reverse of `chunk_forward_stacked` given the stacked start state [K, p] and the end
   state's cotangent dstate [K, p]: (dx, dbd, dc, dt, dmodes, dstate at the chunk start) as
-  `chunk_backward`'s, the last stacked."""
+  `chunk_backward`'s, dt as a row [1, Q] and the last stacked."""
   low = x.dtype
-  k = _prepare(t, modes, num_modes)
+  t = _to_col(t_row)
+  k = _prepare(t, modes, num_modes, t_row)
   st = _stacked(modes, bd.shape[1], num_modes)
   cb, dscores, dx, dc, dbd = _intra_backward(x, bd, c, k, dy, low)
   into = st.weight * jnp.exp(-st.rate * t)                                   # [Q, K]
@@ -400,7 +406,8 @@ def chunk_backward_stacked(x, bd, c, t, modes: Modes, state, dy, dstate, *, num_
   dt_end = -_rowsum((colsum(g_out) + g_keep) * rates)
   dlmix_modes, dt_lmix = _lmix_backward(k, modes, num_modes, dscores, cb)
   dmodes = Modes(drates + dlmix_modes.rates, dweights + dlmix_modes.weights)
-  return dx, dbd, dc, dt_col + dt_lmix + _end_column(t, dt_end), dmodes, dstate_start
+  dt = _to_row(dt_col + dt_lmix + _end_column(t, dt_end))
+  return dx, dbd, dc, dt, dmodes, dstate_start
 
 
 # ----------------------------------------------------------------------------

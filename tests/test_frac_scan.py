@@ -110,16 +110,17 @@ def test_stacked_chunk_equals_mode_at_a_time(dtype):
   stack = lambda a: a.reshape(m_pad * n, p)
   stacked = functools.partial(jax.jit, static_argnames="num_modes")
   y, end = jax.jit(fc.chunk_forward)(x, bd, c, t, modes, list(states[:m]))
-  y_s, end_s = stacked(fc.chunk_forward_stacked)(x, bd, c, t, modes, stack(states),
+  y_s, end_s = stacked(fc.chunk_forward_stacked)(x, bd, c, t.T, modes, stack(states),
                                                  num_modes=m)
-  got = stacked(fc.chunk_backward_stacked)(x, bd, c, t, modes, stack(states), dy,
+  got = stacked(fc.chunk_backward_stacked)(x, bd, c, t.T, modes, stack(states), dy,
                                            stack(dstates), num_modes=m)
   want = jax.jit(fc.chunk_backward)(x, bd, c, t, modes, list(states[:m]), dy,
                                     list(dstates[:m]))
   pairs = {"y": (y_s, y), "end state": (end_s[:m * n], jnp.concatenate(end)),
            "start dstate": (got[5][:m * n], jnp.concatenate(want[5])),
            "drates": (got[4].rates, want[4].rates), "dweights": (got[4].weights, want[4].weights),
-           **{name: (a, b) for name, a, b in zip(("dx", "dbd", "dc", "dt"), got[:4], want[:4])}}
+           "dt": (got[3], want[3].T),   # the stacked form takes t, and gives dt, as a row
+           **{name: (a, b) for name, a, b in zip(("dx", "dbd", "dc"), got[:3], want[:3])}}
   for name, (a, b) in pairs.items():
     # bf16: the update's operand (dt B repeated per mode, times its decay) is rounded to bf16
     # after dt B was carried in two bf16 parts (16 bits), a rounding the mode-at-a-time form

@@ -39,11 +39,16 @@ class BlockSizes:
     per program of the backward's state terms (its other kernels take every mode).
   num_warps: Triton's warps per program (Mosaic GPU: one warpgroup).
   num_stages: Triton's software pipelining (Mosaic GPU: a program per chunk, no pipeline).
-  chunks_per_step: Mosaic TPU's chunks per grid step, a loop (`mosaic._UNROLL` of them
-    unrolled; a grid step has a cost of its own; the largest power of two dividing the chunk
-    count is used, at most this). libtpu's static estimate of fwd+bwd (bf16, the
-    `TPU_CHUNK` shape) at 1 / 2 / 4 / 8 / 16 chunks per step: v5e (chunk 128) 405K / 383K /
-    379K / 377K / 378K cycles; v6e (chunk 256) 313K / - / 302K / 302K / -.
+  chunks_per_step: Mosaic TPU's chunks per grid step, a loop (a grid step has a cost of its
+    own; the largest power of two dividing the chunk count is used, at most this). libtpu's
+    static estimate of fwd+bwd (bf16, the `TPU_CHUNK` shape) at 1 / 2 / 4 / 8 / 16 chunks
+    per step: v5e (chunk 128) 405K / 383K / 379K / 377K / 378K cycles; v6e (chunk 256)
+    313K / - / 302K / 302K / - (2026-12-07, before the 16-bit state products).
+  unroll: Mosaic TPU's chunks unrolled in that loop. 4 against 2 (8 chunks per step, fwd+bwd
+    at the `TPU_CHUNK` shape): v5e bf16 288,651 -> 273,515 cycles, float32 502,132 ->
+    487,012; v6e float32 406,709 -> 397,084 but bf16 267,640 -> 274,925 (its `TUNED` entry
+    keeps 2). All 8 unrolled ran the float32 backward at 16k tokens out of v5e's scoped VMEM;
+    at 4 it takes 13.4 MB of 16 MiB (`make compile-check`).
   """
 
   p_block: int = 16
@@ -51,6 +56,7 @@ class BlockSizes:
   num_warps: int = 4
   num_stages: int = 1
   chunks_per_step: int = 8
+  unroll: int = 4
 
   @classmethod
   def for_backend(cls, backend: Backend, dtype) -> "BlockSizes":
@@ -74,4 +80,6 @@ TUNED = {
     ("mosaic_gpu", None, "bfloat16"): BlockSizes(m_block=4),
     ("mosaic_gpu", None, "float16"): BlockSizes(m_block=4),
     ("mosaic_gpu", None, "float32"): BlockSizes(m_block=4),
+    # Mosaic TPU: 2 chunks unrolled where 4 is slower (`BlockSizes.unroll`).
+    ("mosaic", "tpu-v6e", "bfloat16"): BlockSizes(unroll=2),
 }

@@ -1,9 +1,10 @@
 """FRAC scan on TPU (Mosaic): grid (group g, step i) with the step axis "arbitrary", each
-step `plan.chunk`-token chunks in a loop (`BlockSizes.chunks_per_step`, `_UNROLL` of them
-unrolled); the states of all modes live in one float32 VMEM scratch [M_pad * N, P] across
-it (mode j in rows j*N .. j*N+N-1; padded modes stay zero) and each chunk runs
+step `plan.chunk`-token chunks in a loop (`BlockSizes.chunks_per_step`, `BlockSizes.unroll`
+of them unrolled); the states of all modes live in one float32 VMEM scratch [M_pad * N, P]
+across it (mode j in rows j*N .. j*N+N-1; padded modes stay zero) and each chunk runs
 `frac_chunk`'s stacked form, every mode in one matmul (contraction M_pad * N, not N);
-rate/weight gradients accumulate in resident output blocks."""
+rate/weight gradients accumulate in resident output blocks. A chunk's cumulative dt, and its
+cotangent, travel as one row ([G, C, 1, Q]), not as a [Q, 1] column per chunk."""
 
 from __future__ import annotations
 
@@ -17,11 +18,6 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxops.frac_chunk import Modes, TilePlan, chunk_backward_stacked, chunk_forward_stacked
 
 _F32 = jnp.float32
-# Chunks unrolled inside a grid step's loop: 4 is 2.6% faster than 2 in libtpu's estimate
-# (v5e bf16 fwd+bwd 367K against 377K cycles at 8 chunks per step) but puts the float32
-# backward at 16k tokens at 15.4 MB of v5e's 16 MiB scoped VMEM (2: 13.8 MB); all 8 unrolled
-# runs out of it.
-_UNROLL = 2
 
 
 def _modes(rates_ref, weights_ref) -> Modes:
@@ -41,8 +37,15 @@ def _rows(plan: TilePlan, u):
   return pl.ds(pl.multiple_of(u * plan.chunk, plan.chunk), plan.chunk)
 
 
+def _by_chunk(plan: TilePlan, t):
+  """[G, Lp, 1] -> [G, C, 1, Q]: a chunk's t (or its cotangent) as one row. As [G, Lp, 1] it
+  would take a 128-lane row per token in HBM and in the DMAs (the reshape is a bitcast for
+  XLA, which fuses it into t's cumulative sum)."""
+  return t.reshape(t.shape[0], plan.num_chunks, 1, plan.chunk)
+
+
 def _fwd_kernel(x_ref, bd_ref, c_ref, t_ref, rates_ref, weights_ref, s0_ref, y_ref, s_ref,
-                *rest, plan: TilePlan, per_step: int, save_starts: bool):
+                *rest, plan: TilePlan, per_step: int, unroll: int, save_starts: bool):
   starts_ref, state = rest if save_starts else (None, *rest)
   i = pl.program_id(1)
 
@@ -55,12 +58,12 @@ def _fwd_kernel(x_ref, bd_ref, c_ref, t_ref, rates_ref, weights_ref, s0_ref, y_r
     if save_starts:
       starts_ref[0, u] = state[...]
     y, state[...] = chunk_forward_stacked(x_ref[0, rows], bd_ref[0, rows], c_ref[0, rows],
-                                          t_ref[0, rows], _modes(rates_ref, weights_ref),
+                                          t_ref[0, u], _modes(rates_ref, weights_ref),
                                           state[...], num_modes=plan.m)
     y_ref[0, rows] = y.astype(y_ref.dtype)
     return carry
 
-  jax.lax.fori_loop(0, per_step, chunk, 0, unroll=_UNROLL)
+  jax.lax.fori_loop(0, per_step, chunk, 0, unroll=unroll)
 
   @pl.when(i == pl.num_programs(1) - 1)
   def _():
@@ -69,7 +72,7 @@ def _fwd_kernel(x_ref, bd_ref, c_ref, t_ref, rates_ref, weights_ref, s0_ref, y_r
 
 def _bwd_kernel(x_ref, bd_ref, c_ref, t_ref, rates_ref, weights_ref, start_ref, dy_ref, ds_ref,
                 dx_ref, dbd_ref, dc_ref, dt_ref, drates_ref, dweights_ref, ds0_ref, dstate, *,
-                plan: TilePlan, per_step: int):
+                plan: TilePlan, per_step: int, unroll: int):
   i = pl.program_id(1)
 
   @pl.when(i == 0)
@@ -82,15 +85,15 @@ def _bwd_kernel(x_ref, bd_ref, c_ref, t_ref, rates_ref, weights_ref, start_ref, 
     u = per_step - 1 - v                       # the step's chunks in reverse
     rows = _rows(plan, u)
     dx, dbd, dc, dt, dmodes, dstate[...] = chunk_backward_stacked(
-        x_ref[0, rows], bd_ref[0, rows], c_ref[0, rows], t_ref[0, rows],
+        x_ref[0, rows], bd_ref[0, rows], c_ref[0, rows], t_ref[0, u],
         _modes(rates_ref, weights_ref), start_ref[0, u], dy_ref[0, rows], dstate[...],
         num_modes=plan.m)
-    dx_ref[0, rows], dbd_ref[0, rows], dc_ref[0, rows], dt_ref[0, rows] = dx, dbd, dc, dt
+    dx_ref[0, rows], dbd_ref[0, rows], dc_ref[0, rows], dt_ref[0, u] = dx, dbd, dc, dt
     drates_ref[0] += dmodes.rates
     dweights_ref[0] += dmodes.weights
     return carry
 
-  jax.lax.fori_loop(0, per_step, chunk, 0, unroll=_UNROLL)
+  jax.lax.fori_loop(0, per_step, chunk, 0, unroll=unroll)
 
   @pl.when(i == pl.num_programs(1) - 1)
   def _():
@@ -98,11 +101,12 @@ def _bwd_kernel(x_ref, bd_ref, c_ref, t_ref, rates_ref, weights_ref, start_ref, 
 
 
 def _specs(plan: TilePlan, per_step: int, step_index):
-  """BlockSpecs of (x, bd, c, t, rates, weights) on the grid (g, i)."""
+  """BlockSpecs of (x, bd, c, t by chunk, rates, weights) on the grid (g, i)."""
   tokens = per_step * plan.chunk
   tok = lambda w: pl.BlockSpec((1, tokens, w), lambda g, i: (g, step_index(i), 0))
+  t_rows = pl.BlockSpec((1, per_step, 1, plan.chunk), lambda g, i: (g, step_index(i), 0, 0))
   row = pl.BlockSpec((1, 1, plan.m_pad), lambda g, i: (g, 0, 0))
-  return [tok(plan.p), tok(plan.n), tok(plan.n), tok(1), row, row]
+  return [tok(plan.p), tok(plan.n), tok(plan.n), t_rows, row, row]
 
 
 def _params():
@@ -120,7 +124,8 @@ def forward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, state,
     out_specs.append(pl.BlockSpec((1, per_step, k, plan.p), lambda g, i: (g, i, 0, 0)))
     out_shape.append(jax.ShapeDtypeStruct((g, plan.num_chunks, k, plan.p), _F32))
   outs = pl.pallas_call(
-      functools.partial(_fwd_kernel, plan=plan, per_step=per_step, save_starts=save_starts),
+      functools.partial(_fwd_kernel, plan=plan, per_step=per_step,
+                        unroll=min(blocks.unroll, per_step), save_starts=save_starts),
       grid=(g, plan.num_chunks // per_step),
       in_specs=_specs(plan, per_step, lambda i: i) + [whole_state],
       out_specs=out_specs,
@@ -129,7 +134,7 @@ def forward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, state,
       compiler_params=_params(),
       interpret=interpret,
       name="frac_scan_fwd",
-  )(x, bd, c, t, *modes, state)
+  )(x, bd, c, _by_chunk(plan, t), *modes, state)
   return tuple(outs) if save_starts else (*outs, None)
 
 
@@ -140,16 +145,18 @@ def backward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, start
   specs = _specs(plan, per_step, rev)
   whole_state = pl.BlockSpec((1, k, plan.p), lambda g, i: (g, 0, 0))
   grads = pl.pallas_call(
-      functools.partial(_bwd_kernel, plan=plan, per_step=per_step),
+      functools.partial(_bwd_kernel, plan=plan, per_step=per_step,
+                        unroll=min(blocks.unroll, per_step)),
       grid=(g, n_steps),
       in_specs=specs + [pl.BlockSpec((1, per_step, k, plan.p), lambda g, i: (g, rev(i), 0, 0)),
                         specs[0], whole_state],
       out_specs=specs + [whole_state],
-      out_shape=[jax.ShapeDtypeStruct(a.shape, _F32) for a in (x, bd, c, t, *modes, dstate)],
+      out_shape=[jax.ShapeDtypeStruct(a.shape, _F32)
+                 for a in (x, bd, c, _by_chunk(plan, t), *modes, dstate)],
       scratch_shapes=[pltpu.VMEM((k, plan.p), _F32)],
       compiler_params=_params(),
       interpret=interpret,
       name="frac_scan_bwd",
-  )(x, bd, c, t, *modes, starts, dy, dstate)
+  )(x, bd, c, _by_chunk(plan, t), *modes, starts, dy, dstate)
   dx, dbd, dc, dt, drates, dweights, ds0 = grads
-  return dx, dbd, dc, dt, Modes(drates, dweights), ds0
+  return dx, dbd, dc, dt.reshape(t.shape), Modes(drates, dweights), ds0
