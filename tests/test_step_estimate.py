@@ -2,6 +2,8 @@
 part estimates (no compile): the arithmetic of compute (a block from its halves' forwards and
 backwards under remat), AdamW, the collectives model, MFU, and the FLOP-floor check."""
 
+import math
+
 import pytest
 
 from benchmarks.aot import perf, step_estimate
@@ -138,3 +140,26 @@ def test_a_whole_block_is_one_program():
   assert "one program" in step_estimate.line(dict(row, context=4096))
   with pytest.raises(ValueError, match="attention \\+ SwiGLU"):
     step_estimate.part_programs(dict(spec, mixer="frac"))
+
+
+@pytest.mark.parametrize("half, own", [("mixer", ("norm1", "mixer")), ("ffn", ("norm2", "ffn"))])
+def test_a_half_differentiates_its_own_parameters(half, own):
+  """A block half's VJP program gives gradients of its own parameters and x only: the other
+  half's would be zeros (broadcasts the whole block's program never runs), counted in its
+  cycles. Traced abstractly at a short context."""
+  import jax
+  from flax import nnx
+
+  from benchmarks.aot import perf_programs
+  from models import LanguageModel
+  spec = dict(SPEC, context=256)
+  program = perf_programs.build(f"lmstep/{half}", "fwd+bwd", "bfloat16", spec)
+  args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in program.specs]
+  _, grads = jax.eval_shape(program.fn, *args)
+  model = nnx.eval_shape(lambda: LanguageModel(
+      vocab_size=32_768, d_model=768, num_layers=1, num_heads=12, context=256,
+      rngs=nnx.Rngs(0)))
+  shapes = [p.shape for name in own
+            for p in jax.tree.leaves(nnx.state(getattr(model.blocks[0], name), nnx.Param))]
+  assert sorted(g.shape for g in grads) == sorted(shapes + [(1, 256, 768)])
+  assert program.flops == 3 * 2 * 256 * sum(math.prod(s) for s in shapes)

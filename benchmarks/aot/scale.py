@@ -41,13 +41,6 @@ def collectives(hlo: str) -> dict:
   return {k: v for k, v in counts.items() if v}
 
 
-def _remat(value: str):
-  """--remat's value as LanguageModel takes it: "none", "full" or "mixer"."""
-  value = value.lower()
-  return {"false": "none", "0": "none", "no": "none", "true": "full", "1": "full",
-          "yes": "full"}.get(value, value)
-
-
 def per_chip_gib(tree) -> float:
   """The bytes one chip holds of a tree of sharded ShapeDtypeStructs, in GiB."""
   import jax
@@ -65,9 +58,8 @@ def main(argv=None):
   parser.add_argument("--context", type=int, help="(default: the config's)")
   parser.add_argument("--mixer", help="(default: the config's)")
   parser.add_argument("--ffn", help="(default: the config's)")
-  parser.add_argument("--remat", type=_remat,
-                      help="none, full or mixer: LanguageModel(remat=...) (default: "
-                           "the config's)")
+  parser.add_argument("--remat", choices=("none", "full", "mixer"),
+                      help="LanguageModel(remat=...) (default: the config's)")
   parser.add_argument("--batch_per_chip", type=int, default=1)
   parser.add_argument("--largest", type=int, default=0,
                       help="also list the N largest slices of the temporaries (their shapes)")

@@ -38,6 +38,7 @@ is work the MFU does not count).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import pathlib
@@ -53,15 +54,21 @@ ADAMW_BYTES_PER_PARAM = 28
 
 def model_facts(spec: dict) -> dict:
   """Parameters, depth, heads and remat policy ("none", "full" or "mixer") of the model `spec`
-  describes (an abstract build: no arrays), and for a FRAC mixer its scan's shape per
-  sequence (FRAC's keys: h, p, n, m)."""
+  describes (an abstract build: no arrays, once per model), and for a FRAC mixer its scan's
+  shape per sequence (FRAC's keys: h, p, n, m)."""
+  return dict(_model_facts(spec["config"],
+                           *(spec.get(k) for k in ("mixer", "ffn", "context", "remat"))))
+
+
+@functools.lru_cache(maxsize=None)
+def _model_facts(config: str, *overrides) -> dict:
   import jax
   from flax import nnx
 
   from benchmarks.aot.scale import load_config
   from models import LanguageModel
-  kwargs = dict(load_config(spec["config"]).model.to_dict())
-  kwargs.update({k: spec[k] for k in ("mixer", "ffn", "context", "remat") if spec.get(k)})
+  kwargs = dict(load_config(config).model.to_dict())
+  kwargs.update({k: v for k, v in zip(("mixer", "ffn", "context", "remat"), overrides) if v})
   model = nnx.eval_shape(lambda: LanguageModel(**kwargs, rngs=nnx.Rngs(0)))
   params = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
   facts = dict(params=params, layers=kwargs["num_layers"], context=kwargs["context"],
@@ -189,7 +196,7 @@ def main(argv=None):
   parser.add_argument("--mixer", default="attention")
   parser.add_argument("--ffn", default="swiglu")
   parser.add_argument("--context", type=int, default=0, help="(default: the config's)")
-  parser.add_argument("--remat", default="", choices=("", "full", "mixer"),
+  parser.add_argument("--remat", default="", choices=("", "none", "full", "mixer"),
                       help="LanguageModel(remat=...) (default: the config's)")
   parser.add_argument("--whole_block", action="store_true",
                       help="profile each block as one program (fwd + VJP under its remat): "
