@@ -44,11 +44,12 @@ class BlockSizes:
     static estimate of fwd+bwd (bf16, the `TPU_CHUNK` shape) at 1 / 2 / 4 / 8 / 16 chunks
     per step: v5e (chunk 128) 405K / 383K / 379K / 377K / 378K cycles; v6e (chunk 256)
     313K / - / 302K / 302K / - (2026-12-07, before the 16-bit state products).
-  unroll: Mosaic TPU's chunks unrolled in that loop. 4 against 2 (8 chunks per step, fwd+bwd
-    at the `TPU_CHUNK` shape): v5e bf16 288,651 -> 273,515 cycles, float32 502,132 ->
-    487,012; v6e float32 406,709 -> 397,084 but bf16 267,640 -> 274,925 (its `TUNED` entry
-    keeps 2). All 8 unrolled ran the float32 backward at 16k tokens out of v5e's scoped VMEM;
-    at 4 it takes 13.4 MB of 16 MiB (`make compile-check`).
+  fwd_unroll, bwd_unroll: Mosaic TPU's chunks unrolled in that loop, forward and backward.
+    Backward 4 against 2 (8 chunks per step, fwd+bwd at the `TPU_CHUNK` shape): v5e bf16
+    288,651 -> 273,515 cycles, float32 502,132 -> 487,012; v6e float32 406,709 -> 397,084
+    but bf16 267,640 -> 274,925 (its `TUNED` entry keeps 2). All 8 unrolled ran the float32
+    backward at 16k tokens out of v5e's scoped VMEM; at 4 it takes 13.4 MB of 16 MiB (`make
+    compile-check`). The forward, all 8 against 4: v5e bf16 62,903 -> 60,742 (the kernel).
   """
 
   p_block: int = 16
@@ -56,7 +57,8 @@ class BlockSizes:
   num_warps: int = 4
   num_stages: int = 1
   chunks_per_step: int = 8
-  unroll: int = 4
+  fwd_unroll: int = 8
+  bwd_unroll: int = 4
 
   @classmethod
   def for_backend(cls, backend: Backend, dtype) -> "BlockSizes":
@@ -80,6 +82,6 @@ TUNED = {
     ("mosaic_gpu", None, "bfloat16"): BlockSizes(m_block=4),
     ("mosaic_gpu", None, "float16"): BlockSizes(m_block=4),
     ("mosaic_gpu", None, "float32"): BlockSizes(m_block=4),
-    # Mosaic TPU: 2 chunks unrolled where 4 is slower (`BlockSizes.unroll`).
-    ("mosaic", "tpu-v6e", "bfloat16"): BlockSizes(unroll=2),
+    # Mosaic TPU: 2 chunks unrolled where 4 is slower (`BlockSizes.bwd_unroll`).
+    ("mosaic", "tpu-v6e", "bfloat16"): BlockSizes(bwd_unroll=2),
 }

@@ -1,6 +1,6 @@
 """FRAC scan on TPU (Mosaic): grid (group g, step i) with the step axis "arbitrary", each
-step `plan.chunk`-token chunks in a loop (`BlockSizes.chunks_per_step`, `BlockSizes.unroll`
-of them unrolled); the states of all modes live in one float32 VMEM scratch [M_pad * N, P]
+step `plan.chunk`-token chunks in a loop (`BlockSizes.chunks_per_step`, `fwd_unroll` or
+`bwd_unroll` of them unrolled); the states of all modes live in one float32 VMEM scratch [M_pad * N, P]
 across it (mode j in rows j*N .. j*N+N-1; padded modes stay zero) and each chunk runs
 `frac_chunk`'s stacked form, every mode in one matmul (contraction M_pad * N, not N);
 rate/weight gradients accumulate in resident output blocks. A chunk's cumulative dt, and its
@@ -132,7 +132,7 @@ def forward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, state,
     out_shape.append(jax.ShapeDtypeStruct((g, plan.num_chunks, k, plan.p), _F32))
   outs = pl.pallas_call(
       functools.partial(_fwd_kernel, plan=plan, per_step=per_step,
-                        unroll=min(blocks.unroll, per_step), save_starts=save_starts),
+                        unroll=min(blocks.fwd_unroll, per_step), save_starts=save_starts),
       grid=(g, plan.num_chunks // per_step),
       in_specs=_specs(plan, per_step, lambda i: i) + [whole_state],
       out_specs=out_specs,
@@ -153,7 +153,7 @@ def backward(plan: TilePlan, blocks, interpret, x, bd, c, t, modes: Modes, start
   whole_state = pl.BlockSpec((1, k, plan.p), lambda g, i: (g, 0, 0))
   grads = pl.pallas_call(
       functools.partial(_bwd_kernel, plan=plan, per_step=per_step,
-                        unroll=min(blocks.unroll, per_step)),
+                        unroll=min(blocks.bwd_unroll, per_step)),
       grid=(g, n_steps),
       in_specs=specs + [pl.BlockSpec((1, per_step, k, plan.p), lambda g, i: (g, rev(i), 0, 0)),
                         specs[0], whole_state],
