@@ -131,6 +131,20 @@ def test_stacked_chunk_equals_mode_at_a_time(dtype):
   assert not jnp.any(end_s[m * n:]) and not jnp.any(got[5][m * n:]), "padded modes' rows moved"
 
 
+@pytest.mark.parametrize("q", [48, 128])
+def test_running_sum_is_cumsum(q):
+  """The tile plan's in-chunk running sums of dt (a matmul with a 0/1 triangle, its VJP one
+  with the other) against jnp.cumsum, value and gradient, to float32 rounding."""
+  from jaxops import frac_chunk as fc
+  ka, kg = jax.random.split(jax.random.key(7))
+  a = jnp.exp(3 * jax.random.normal(ka, (3, 5, q)))          # magnitudes over ~8 decades
+  g = jax.random.normal(kg, (3, 5, q))
+  want, want_vjp = jax.vjp(lambda v: jnp.cumsum(v, axis=-1), a)
+  got, got_vjp = jax.vjp(fc.running_sum, a)
+  kernel_checks.assert_close(got, want, rtol=1e-6, name="running sum")
+  kernel_checks.assert_close(got_vjp(g)[0], want_vjp(g)[0], rtol=1e-6, name="its VJP")
+
+
 def test_reference_equals_literal_loop():
   """The scan against a float64 numpy loop written from DESIGN.md section 4."""
   args = make_inputs()
