@@ -341,12 +341,12 @@ def _stacked(modes: Modes, n: int, num_modes: int) -> _Stacked:
                   jnp.where(_iota((k_rows, 1), 0) < num_modes * n, 1.0, 0.0))
 
 
-def chunk_forward_stacked(x, bd, c, t_row, modes: Modes, state, *, num_modes: int):
+def chunk_forward_stacked(x, bd_t, c, t_row, modes: Modes, state, *, num_modes: int):
   """`chunk_forward` with the states stacked: state [K, p] float32, K = M_pad N, mode j in
   rows j N .. j N + N - 1 (N a power of two; the modes past num_modes are padding and their
-  rows stay zero), and t as a row t_row [1, Q] (the Mosaic kernel reads a chunk's t as one
-  row: as a column [Q, 1] it would fill a 128-lane row per token). Returns (y [Q, p], the end
-  state [K, p]), float32.
+  rows stay zero), dt b transposed, bd_t [N, Q], and t as a row t_row [1, Q]: the Mosaic
+  kernel reads both lane-dense (token-major, a [Q, 16] tile fills a 128-lane row per token,
+  in HBM too). Returns (y [Q, p], the end state [K, p]), float32.
 
     y  = ((c bd^T) * Lmix) x + ((c rep) * into) S,    into[t, k] = w_k e^{-r_k t_t}
     S' = keep * S + (rep^T bd^T * out_t) x,           out_t[k, t] = e^{-r_k (t_Q - t_t)}
@@ -356,32 +356,39 @@ def chunk_forward_stacked(x, bd, c, t_row, modes: Modes, state, *, num_modes: in
   low = x.dtype
   t = _to_col(t_row)
   k = _prepare(t, modes, num_modes, t_row)
-  st = _stacked(modes, bd.shape[1], num_modes)
-  y = _intra_forward(x, bd, c, k, low)
+  st = _stacked(modes, c.shape[1], num_modes)
+  y = _mm(tiling.dot, _mm(tiling.dot, c, bd_t, low) * k.lmix, x, low)
   into = st.weight * jnp.exp(-st.rate * t)                                   # [Q, K]
   y += _state_dot(tiling.dot, _dot01(tiling.dot, c, st.rep, low) * into, state, low)
   out_t = st.live_col * jnp.exp(-st.rate_col * (k.t_end - k.t_row))          # [K, Q]
   keep = jnp.exp(-st.rate_col * k.t_end)                                     # [K, 1]
-  update = _dot01(tiling.dot_nt, st.rep_t, bd, low) * out_t                  # [K, Q]
+  update = _dot01(tiling.dot, st.rep_t, bd_t, low) * out_t                   # [K, Q]
   return y, keep * state + _mm(tiling.dot, update, x, low)
 
 
-def chunk_backward_stacked(x, bd, c, t_row, modes: Modes, state, dy, dstate, *,
+def chunk_backward_stacked(x, bd, bd_t, c, c_t, t_row, modes: Modes, state, dy, dstate, *,
                            num_modes: int):
   """Reverse of `chunk_forward_stacked` given the stacked start state [K, p] and the end
-  state's cotangent dstate [K, p]: (dx, dbd, dc, dt, dmodes, dstate at the chunk start) as
-  `chunk_backward`'s, dt as a row [1, Q] and the last stacked."""
+  state's cotangent dstate [K, p], dt b and c in both layouts ([Q, N] and transposed [N, Q]):
+  (dx, dbd_t, dc_t, dt, dmodes, dstate at the chunk start) as `chunk_backward`'s, the
+  cotangents of dt b and c transposed [N, Q], dt's as a row [1, Q] (all three lane-dense)
+  and the state's stacked."""
   low = x.dtype
   t = _to_col(t_row)
   k = _prepare(t, modes, num_modes, t_row)
-  st = _stacked(modes, bd.shape[1], num_modes)
-  cb, dscores, dx, dc, dbd = _intra_backward(x, bd, c, k, dy, low)
+  st = _stacked(modes, c.shape[1], num_modes)
+  cb = _mm(tiling.dot, c, bd_t, low)                                         # [Q, Q]
+  dscores = _mm(tiling.dot_nt, dy, x, low)
+  dcb = dscores * k.lmix
+  dx = _mm(tiling.dot_tn, cb * k.lmix, dy, low)
+  dc_t = _mm(tiling.dot_nt, bd_t, dcb, low)                                  # [N, Q]
+  dbd_t = _mm(tiling.dot, c_t, dcb, low)                                     # [N, Q]
   into = st.weight * jnp.exp(-st.rate * t)                                   # [Q, K]
   out_of = jnp.exp(-st.rate * (k.t_end - t))                                 # [Q, K]
   # y += (c_rep * into) S
   c_rep = _dot01(tiling.dot, c, st.rep, low)                                 # [Q, K]
   d_c_in = _state_dot(tiling.dot_nt, dy, state, low)                         # [Q, K]
-  dc += _dot01(tiling.dot_nt, d_c_in * into, st.rep, low)
+  dc_t += _dot01(tiling.dot_nt, st.rep, d_c_in * into, low)
   d_into = _dot01(tiling.dot, d_c_in * c_rep, st.of, low)                    # [Q, M_pad]
   into_t = st.weight_col * jnp.exp(-st.rate_col * k.t_row)                   # [K, Q]
   keep_col = jnp.exp(-st.rate_col * k.t_end)
@@ -390,7 +397,7 @@ def chunk_backward_stacked(x, bd, c, t_row, modes: Modes, state, dy, dstate, *,
   # S' = keep S + (bd_rep * out_of)^T x
   bd_rep = _dot01(tiling.dot, bd, st.rep, low)
   d_bd_out = _state_dot(tiling.dot_nt, x, dstate, low)                       # [Q, K]
-  dbd += _dot01(tiling.dot_nt, d_bd_out * out_of, st.rep, low)
+  dbd_t += _dot01(tiling.dot_nt, st.rep, d_bd_out * out_of, low)
   dx += _state_dot(tiling.dot, bd_rep * out_of, dstate, low)
   # Through the decays, per mode ([Q, M_pad] columns, [1, M_pad] rows).
   rates = modes.rates
@@ -407,7 +414,7 @@ def chunk_backward_stacked(x, bd, c, t_row, modes: Modes, state, dy, dstate, *,
   dlmix_modes, dt_lmix = _lmix_backward(k, modes, num_modes, dscores, cb)
   dmodes = Modes(drates + dlmix_modes.rates, dweights + dlmix_modes.weights)
   dt = _to_row(dt_col + dt_lmix + _end_column(t, dt_end))
-  return dx, dbd, dc, dt, dmodes, dstate_start
+  return dx, dbd_t, dc_t, dt, dmodes, dstate_start
 
 
 # ----------------------------------------------------------------------------

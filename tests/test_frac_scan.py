@@ -73,13 +73,19 @@ def test_matches_reference_forward_and_gradients(path, dtype):
   kernel_checks.assert_grads_close(grads, grads_ref, args, ARGNAMES, rtol=TOL[dtype])
 
 
-def test_mosaic_several_chunks_per_grid_step():
-  """The Mosaic kernel's unrolled chunks per grid step (default 4): 90 tokens are 6 chunks
-  of 16, so 2 per step (the largest power of two dividing 6), 3 steps; forward and gradients
+@pytest.mark.parametrize("length, chunk, blocks", [(90, CHUNK, {}),
+                                                   (250, 32, {"chunks_per_step": 4})],
+                         ids=["whole-length-blocks", "128-token-blocks"])
+def test_mosaic_several_chunks_per_grid_step(length, chunk, blocks):
+  """The Mosaic kernel's loop over a grid step's chunks: 90 tokens are 6 chunks of 16, so 2
+  per step (the largest power of two dividing 6), 3 steps of 32 tokens (the transposed dt b
+  and c then sit in blocks of the whole length, `mosaic._Specs`); 250 tokens are 8 chunks of
+  32, 4 per step: 2 steps of 128 tokens, a transposed block each. Forward and gradients
   against the reference (the default-run case above has 3 chunks, one per step)."""
-  shape = (1, 90, H, P, N, M)
+  shape = (1, length, H, P, N, M)
   args = make_inputs(jnp.float32, shape=shape, seed=1)
-  op = functools.partial(kernel.frac_scan, interpret=True, backend="mosaic", chunk=CHUNK)
+  op = functools.partial(kernel.frac_scan, interpret=True, backend="mosaic", chunk=chunk,
+                         **blocks)
   grad = lambda f: jax.jit(jax.grad(functools.partial(kernel_checks.sin_loss, f),
                                     argnums=tuple(range(7))))
   (y, s), (y_ref, s_ref) = op(*args), ops.frac_scan_reference(*args)
@@ -110,17 +116,18 @@ def test_stacked_chunk_equals_mode_at_a_time(dtype):
   stack = lambda a: a.reshape(m_pad * n, p)
   stacked = functools.partial(jax.jit, static_argnames="num_modes")
   y, end = jax.jit(fc.chunk_forward)(x, bd, c, t, modes, list(states[:m]))
-  y_s, end_s = stacked(fc.chunk_forward_stacked)(x, bd, c, t.T, modes, stack(states),
+  y_s, end_s = stacked(fc.chunk_forward_stacked)(x, bd.T, c, t.T, modes, stack(states),
                                                  num_modes=m)
-  got = stacked(fc.chunk_backward_stacked)(x, bd, c, t.T, modes, stack(states), dy,
+  got = stacked(fc.chunk_backward_stacked)(x, bd, bd.T, c, c.T, t.T, modes, stack(states), dy,
                                            stack(dstates), num_modes=m)
   want = jax.jit(fc.chunk_backward)(x, bd, c, t, modes, list(states[:m]), dy,
                                     list(dstates[:m]))
   pairs = {"y": (y_s, y), "end state": (end_s[:m * n], jnp.concatenate(end)),
            "start dstate": (got[5][:m * n], jnp.concatenate(want[5])),
            "drates": (got[4].rates, want[4].rates), "dweights": (got[4].weights, want[4].weights),
-           "dt": (got[3], want[3].T),   # the stacked form takes t, and gives dt, as a row
-           **{name: (a, b) for name, a, b in zip(("dx", "dbd", "dc"), got[:3], want[:3])}}
+           # the stacked form gives dt b's and c's cotangents transposed, dt's as a row
+           "dx": (got[0], want[0]), "dbd": (got[1], want[1].T), "dc": (got[2], want[2].T),
+           "dt": (got[3], want[3].T)}
   for name, (a, b) in pairs.items():
     # bf16: the update's operand (dt B repeated per mode, times its decay) is rounded to bf16
     # after dt B was carried in two bf16 parts (16 bits), a rounding the mode-at-a-time form
