@@ -15,8 +15,8 @@ The parts of one chip's step (FSDP over every chip, as `configs/lm_paper.py` tra
   the block's forward; with remat="mixer" less the mixer's core, which it keeps: FRAC's scan,
   or attention's heads' outputs from q, k, v, "lmstep/attention_core", profiled with its
   heads in pieces like FRAC's scan). Cross-half fusion is lost (a residual add). The
-  embedding lookup and its gradient are left out (libtpu's profiler rejects the gather; a [tokens, d] read and
-  scatter-add, small beside the head's matmuls). A FRAC mixer's forward is three programs
+  embedding lookup and its gradient are left out (libtpu's profiler rejects the gather; a
+  [tokens, d] read and scatter-add, small beside the head's matmuls). A FRAC mixer's forward is three programs
   (libtpu's profiler fails the whole half, and runs out of this machine's memory on the scan
   kernel at a layer's shape): the half up to its scan ("lmstep/mixer_pre"), the scan op
   ("frac/kernel" at the layer's shape, its heads in pieces of at most 4 profiled once and

@@ -97,8 +97,8 @@ def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int | N
       CPU. None: Mosaic on TPU; Triton on a CUDA GPU (Mosaic GPU only where it was
       measured faster on a chip, `dispatch.gpu_backend`: nowhere yet).
     **block_sizes: overrides of `BlockSizes` fields (p_block, m_block: powers of two;
-      num_warps, num_stages; chunks_per_step, fwd_unroll, bwd_unroll on TPU); defaults from `TUNED` for the
-      chip and dtype.
+      num_warps, num_stages; chunks_per_step, fwd_unroll, bwd_unroll on TPU); defaults from
+      `TUNED` for the chip and dtype.
 
   Returns:
     (y [Bt, L, H, P] in x.dtype, final state [Bt, H, M, N, P] float32).

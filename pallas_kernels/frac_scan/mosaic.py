@@ -1,9 +1,9 @@
 """FRAC scan on TPU (Mosaic): grid (group g, step i) with the step axis "arbitrary", each
 step `plan.chunk`-token chunks in a loop (`BlockSizes.chunks_per_step`, `fwd_unroll` or
-`bwd_unroll` of them unrolled); the states of all modes live in one float32 VMEM scratch [M_pad * N, P]
-across it (mode j in rows j*N .. j*N+N-1; padded modes stay zero) and each chunk runs
-`frac_chunk`'s stacked form, every mode in one matmul (contraction M_pad * N, not N);
-rate/weight gradients accumulate in resident output blocks.
+`bwd_unroll` of them unrolled); the states of all modes live in one float32 VMEM scratch
+[M_pad * N, P] across it (mode j in rows j*N .. j*N+N-1; padded modes stay zero) and each
+chunk runs `frac_chunk`'s stacked form, every mode in one matmul (contraction M_pad * N, not
+N); rate/weight gradients accumulate in resident output blocks.
 
 Layouts: on TPU a token-major [Q, w] tile fills a 128-lane row per token in HBM too, so the
 narrow per-token arrays travel lane-dense where the math allows: a chunk's cumulative dt and
