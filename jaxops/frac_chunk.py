@@ -36,6 +36,7 @@ accumulation), since TF32 WGMMA would need transposed copies of every state oper
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Sequence
 
 import jax
@@ -155,21 +156,19 @@ def _mode(t, t_end, modes: Modes, j) -> _Mode:
 # The in-chunk terms, shared by both forms.
 # ----------------------------------------------------------------------------
 
-def _intra_forward(x, bd, c, k: _Chunk, low):
-  """((c bd^T) * Lmix) x: the tokens of this chunk, [Q, p] float32."""
-  return _mm(tiling.dot, _mm(tiling.dot_nt, c, bd, low) * k.lmix, x, low)
+def _intra_forward(x, cb, k: _Chunk, low):
+  """(cb * Lmix) x with cb = c bd^T [Q, Q] (made from the caller's layout of bd): the tokens
+  of this chunk, [Q, p] float32."""
+  return _mm(tiling.dot, cb * k.lmix, x, low)
 
 
-def _intra_backward(x, bd, c, k: _Chunk, dy, low):
-  """Cotangents of the in-chunk term: (cb, dscores, dx, dc, dbd) with cb = c bd^T and
-  dscores the cotangent of cb * Lmix."""
-  cb = _mm(tiling.dot_nt, c, bd, low)                    # [Q, Q]
+def _intra_backward(x, cb, k: _Chunk, dy, low):
+  """Cotangents of the in-chunk term given cb = c bd^T: (dscores, dcb, dx), dscores the
+  cotangent of cb * Lmix and dcb that of cb (the caller takes dc and dbd from it, each in
+  its own layout)."""
   dscores = _mm(tiling.dot_nt, dy, x, low)
   dcb = dscores * k.lmix
-  dx = _mm(tiling.dot_tn, cb * k.lmix, dy, low)
-  dc = _mm(tiling.dot, dcb, bd, low)
-  dbd = _mm(tiling.dot_tn, dcb, c, low)
-  return cb, dscores, dx, dc, dbd
+  return dscores, dcb, _mm(tiling.dot_tn, cb * k.lmix, dy, low)
 
 
 def _lmix_backward(k: _Chunk, modes: Modes, num_modes: int, dscores, cb):
@@ -205,7 +204,7 @@ def chunk_forward(x, bd, c, t, modes: Modes, states: Sequence[jax.Array]):
   """
   low = x.dtype
   k = _prepare(t, modes, len(states))
-  y = _intra_forward(x, bd, c, k, low)
+  y = _intra_forward(x, _mm(tiling.dot_nt, c, bd, low), k, low)
   new_states = []
   for j, state in enumerate(states):
     mode = _mode(t, k.t_end, modes, j)
@@ -228,7 +227,9 @@ def chunk_backward(x, bd, c, t, modes: Modes, states, dy, dstates):
   """
   low, m_pad = x.dtype, modes.rates.shape[1]
   k = _prepare(t, modes, len(states))
-  cb, dscores, dx, dc, dbd = _intra_backward(x, bd, c, k, dy, low)
+  cb = _mm(tiling.dot_nt, c, bd, low)                                       # [Q, Q]
+  dscores, dcb, dx = _intra_backward(x, cb, k, dy, low)
+  dc, dbd = _mm(tiling.dot, dcb, bd, low), _mm(tiling.dot_tn, dcb, c, low)
   drates = dweights = jnp.zeros((1, m_pad), _F32)
   dt_col = jnp.zeros_like(t)
   dt_end = jnp.zeros((1, 1), _F32)
@@ -357,7 +358,7 @@ def chunk_forward_stacked(x, bd_t, c, t_row, modes: Modes, state, *, num_modes: 
   t = _to_col(t_row)
   k = _prepare(t, modes, num_modes, t_row)
   st = _stacked(modes, c.shape[1], num_modes)
-  y = _mm(tiling.dot, _mm(tiling.dot, c, bd_t, low) * k.lmix, x, low)
+  y = _intra_forward(x, _mm(tiling.dot, c, bd_t, low), k, low)
   into = st.weight * jnp.exp(-st.rate * t)                                   # [Q, K]
   y += _state_dot(tiling.dot, _dot01(tiling.dot, c, st.rep, low) * into, state, low)
   out_t = st.live_col * jnp.exp(-st.rate_col * (k.t_end - k.t_row))          # [K, Q]
@@ -378,9 +379,7 @@ def chunk_backward_stacked(x, bd, bd_t, c, c_t, t_row, modes: Modes, state, dy, 
   k = _prepare(t, modes, num_modes, t_row)
   st = _stacked(modes, c.shape[1], num_modes)
   cb = _mm(tiling.dot, c, bd_t, low)                                         # [Q, Q]
-  dscores = _mm(tiling.dot_nt, dy, x, low)
-  dcb = dscores * k.lmix
-  dx = _mm(tiling.dot_tn, cb * k.lmix, dy, low)
+  dscores, dcb, dx = _intra_backward(x, cb, k, dy, low)
   dc_t = _mm(tiling.dot_nt, bd_t, dcb, low)                                  # [N, Q]
   dbd_t = _mm(tiling.dot, c_t, dcb, low)                                     # [N, Q]
   into = st.weight * jnp.exp(-st.rate * t)                                   # [Q, K]
@@ -427,8 +426,7 @@ def _by_triangle(a, lower: bool):
   q = a.shape[-1]
   rows, cols = _iota((q, q), 0), _iota((q, q), 1)
   triangle = jnp.where(rows >= cols if lower else rows <= cols, 1.0, 0.0).astype(jnp.bfloat16)
-  return sum(jnp.matmul(part, triangle, preferred_element_type=_F32)
-             for part in _bf16_parts(a, 3))
+  return _split_dot(functools.partial(jnp.matmul, preferred_element_type=_F32), a, triangle, 3)
 
 
 @jax.custom_vjp
