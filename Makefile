@@ -40,7 +40,7 @@ mutants: setup
 # says so and trains nothing); `make demo DEMO_DIR=runs/demo2` starts another.
 DEMO_DIR ?= runs/demo
 demo: setup
-	JAX_PLATFORMS=cpu $(PY) -m train.train_lm --config=configs/lm_default.py --workdir=$(DEMO_DIR)
+	JAX_PLATFORMS=cpu $(PY) -m neurips26_jax.train.train_lm --config=lm_default --workdir=$(DEMO_DIR)
 
 bench: setup
 	JAX_PLATFORMS=cpu $(PY) -m benchmarks.flash_ffn_memory

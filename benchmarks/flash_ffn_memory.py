@@ -24,7 +24,7 @@ from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 
 from benchmarks.common import mib, temp_bytes, wall_seconds
-from models import FlashFFN, SwiGLU
+from neurips26_jax.models import FlashFFN, SwiGLU
 
 _LENGTHS = flags.DEFINE_list("lengths", ["2048", "8192", "16384", "32768"], "Sequence lengths.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],

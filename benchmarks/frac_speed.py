@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import wall_seconds
-from jaxops import frac
+from neurips26_jax.jaxops import frac
 
 HEADS, P, N = 4, 64, 16
 # lax.associative_scan keeps [L, H, M, N, P] elements per level: skipped above this many.

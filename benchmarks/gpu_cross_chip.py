@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxops import flash_ffn as ffn_ops
-from jaxops import frac as frac_ops
-from jaxops import pack3d as pack3d_ops
-from jaxops import packing
-from pallas_kernels import flash_ffn, frac_scan, pack3d_attention
-from pallas_kernels.dispatch import compute_capability, mosaic_gpu_available
+from neurips26_jax.jaxops import flash_ffn as ffn_ops
+from neurips26_jax.jaxops import frac as frac_ops
+from neurips26_jax.jaxops import pack3d as pack3d_ops
+from neurips26_jax.jaxops import packing
+from neurips26_jax.pallas_kernels import flash_ffn, frac_scan, pack3d_attention
+from neurips26_jax.pallas_kernels.dispatch import compute_capability, mosaic_gpu_available
 from tests import independent
 
 ON_GPU = jax.default_backend() == "gpu"

@@ -24,12 +24,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks.common import check_in_subprocess, report_errors, wall_seconds
-from jaxops import flash_ffn as ops
-from models import FlashFFN, SwiGLU
-from pallas_kernels import dispatch
-from pallas_kernels import flash_ffn as kernel
-from pallas_kernels.flash_ffn import blocks
-from pallas_kernels.flash_ffn.tiles import mosaic_gpu_generations
+from neurips26_jax.jaxops import flash_ffn as ops
+from neurips26_jax.models import FlashFFN, SwiGLU
+from neurips26_jax.pallas_kernels import dispatch
+from neurips26_jax.pallas_kernels import flash_ffn as kernel
+from neurips26_jax.pallas_kernels.flash_ffn import blocks
+from neurips26_jax.pallas_kernels.flash_ffn.tiles import mosaic_gpu_generations
 
 D, HEADS, EXPERTS, D_E, D_FF_SWIGLU = 1024, 8, 11, 256, 2752
 D_H = D // HEADS

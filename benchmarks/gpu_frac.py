@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import check_in_subprocess, report_errors, wall_seconds
-from jaxops import frac as ops
-from pallas_kernels import dispatch
-from pallas_kernels import frac_scan as kernel
+from neurips26_jax.jaxops import frac as ops
+from neurips26_jax.pallas_kernels import dispatch
+from neurips26_jax.pallas_kernels import frac_scan as kernel
 
 ON_GPU = jax.default_backend() == "gpu"
 HOPPER = (ON_GPU and dispatch.mosaic_gpu_available()

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import check_in_subprocess, report_errors, wall_seconds
-from jaxops import pack3d as ops
-from jaxops import packing
-from jaxops.pack3d_layout import cube_layout
-from pallas_kernels import pack3d_attention as kernel
-from pallas_kernels.dispatch import compute_capability, mosaic_gpu_available
+from neurips26_jax.jaxops import pack3d as ops
+from neurips26_jax.jaxops import packing
+from neurips26_jax.jaxops.pack3d_layout import cube_layout
+from neurips26_jax.pallas_kernels import pack3d_attention as kernel
+from neurips26_jax.pallas_kernels.dispatch import compute_capability, mosaic_gpu_available
 
 HEADS, HEAD_DIM = 2, 48
 ON_GPU = jax.default_backend() == "gpu"

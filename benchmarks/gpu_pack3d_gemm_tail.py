@@ -100,8 +100,8 @@ def bisect() -> None:
   import jax
   import jax.numpy as jnp
   from benchmarks import gpu_pack3d as g
-  from jaxops import pack3d as ops
-  from jaxops.pack3d_layout import cube_layout
+  from neurips26_jax.jaxops import pack3d as ops
+  from neurips26_jax.jaxops.pack3d_layout import cube_layout
   coords, field_ids = g.packed(g.CASES["two odd fields"])
   q, k, v = g.qkv(coords.shape[1], jnp.float32)
   cpu, gpu = jax.devices("cpu")[0], jax.devices()[0]

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 
 from benchmarks.common import wall_seconds
 from benchmarks.gpu_flash_ffn import ON_GPU, fwd_and_step, gpu_backends, op_inputs
-from pallas_kernels import flash_ffn as kernel
-from pallas_kernels.flash_ffn.blocks import BlockSizes
+from neurips26_jax.pallas_kernels import flash_ffn as kernel
+from neurips26_jax.pallas_kernels.flash_ffn.blocks import BlockSizes
 
 # (block_q, block_inter, block_q_dkv, num_warps, num_warps_dkv, num_stages, compute_wgs);
 # compute_wgs=2: the warp-specialized kernels (Hopper).

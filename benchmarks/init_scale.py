@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from configs import exp_seg3d_cpu
-from jaxops import rope
-from models.flash_ffn import FlashFFN, SwiGLU
-from models.frac import FRACMixer
-from train import optim, seg3d_task
+from neurips26_jax.configs import exp_seg3d_cpu
+from neurips26_jax.jaxops import rope
+from neurips26_jax.models.flash_ffn import FlashFFN, SwiGLU
+from neurips26_jax.models.frac import FRACMixer
+from neurips26_jax.train import optim, seg3d_task
 
 rms = lambda a: float(jnp.sqrt(jnp.mean(jnp.square(a))))
 

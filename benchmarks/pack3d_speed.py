@@ -29,8 +29,8 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.common import mib, temp_bytes, wall_seconds
-from jaxops import packing
-from jaxops.pack3d import pack3d_attention
+from neurips26_jax.jaxops import packing
+from neurips26_jax.jaxops.pack3d import pack3d_attention
 
 _SIZES = flags.DEFINE_list("sizes", ["4096", "16384", "65536"], "Token counts N.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed runs per variant (best is reported).")

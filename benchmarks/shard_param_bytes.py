@@ -14,10 +14,10 @@ import math
 
 from flax import nnx
 
-from configs import lm_default, seg3d_cells
-from models import FlashFFN, FRACMixer, LanguageModel, Pack3DAttention
-from models.partitioning import HEAD_AXES, logical_axes
-from train import seg3d_task
+from neurips26_jax.configs import lm_default, seg3d_cells
+from neurips26_jax.models import FlashFFN, FRACMixer, LanguageModel, Pack3DAttention
+from neurips26_jax.models.partitioning import HEAD_AXES, logical_axes
+from neurips26_jax.train import seg3d_task
 
 TENSOR = 2
 

@@ -1,1 +1,23 @@
-"""ml_collections configs, one file per experiment."""
+"""ml_collections configs, one file per experiment, each with `get_config([arg])`.
+
+The binaries' --config takes a config's name (`--config=lm_smoke`, `--config=lm_paper:370m`)
+or the path of a config file of your own (`--config=my_configs/big.py`).
+"""
+
+import pathlib
+
+_HERE = pathlib.Path(__file__).parent
+
+
+def names() -> list[str]:
+  """The packaged configs' names, e.g. ["exp_far3d", ..., "lm_default", ..., "seg3d_smoke"]."""
+  return sorted(p.stem for p in _HERE.glob("*.py") if not p.stem.startswith("_"))
+
+
+def resolve(spec: str) -> str:
+  """--config's value -> a config file path: "lm_paper:370m" -> "<this folder>/lm_paper.py:370m";
+  anything else (a path, with or without ":arg") is returned as given."""
+  name, sep, arg = spec.partition(":")
+  if name in names():
+    return f"{_HERE / name}.py{sep}{arg}"
+  return spec

@@ -16,7 +16,7 @@ arm is also evaluated with its far branch off (`far_off` in the json).
 
 import ml_collections
 
-from configs import exp_repacking
+from neurips26_jax.configs import exp_repacking
 
 
 def get_config():

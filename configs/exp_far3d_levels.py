@@ -27,7 +27,7 @@ levels2 learn the far part later, or not at all? (At 400 steps the single level 
 2 of 3 seeds.)
 """
 
-from configs import exp_far3d
+from neurips26_jax.configs import exp_far3d
 
 
 def get_config(variant: str = "main"):

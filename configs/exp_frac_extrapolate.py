@@ -27,7 +27,7 @@ held-out loss at L).
 
 import ml_collections
 
-from configs import exp_frac_memory
+from neurips26_jax.configs import exp_frac_memory
 
 
 def get_config():

@@ -24,7 +24,7 @@ L = 2176 on this CPU, so there it trains fewer steps (steps_by_arm) to stay in t
 
 import ml_collections
 
-from configs import lm_smoke
+from neurips26_jax.configs import lm_smoke
 
 
 def get_config():

@@ -12,7 +12,7 @@ not FRAC's mode range / alpha / dt, is what limits them; and value_recall (one v
 over `lag` random distractors) on the same models and budget is the probe of memory length.
 """
 
-from configs import exp_frac_memory
+from neurips26_jax.configs import exp_frac_memory
 
 
 def get_config():

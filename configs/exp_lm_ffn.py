@@ -17,7 +17,7 @@ whole-split evaluation costs the same.
 
 import ml_collections
 
-from configs import exp_lm_shakespeare
+from neurips26_jax.configs import exp_lm_shakespeare
 
 CORPORA = {"shakespeare": ("data/tinyshakespeare.txt", 0), "stdlib": ("", 1_200_000)}
 

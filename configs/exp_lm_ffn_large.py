@@ -14,7 +14,7 @@ pinned to one core of this 2-core machine.
 
 import ml_collections
 
-from configs import exp_lm_ffn
+from neurips26_jax.configs import exp_lm_ffn
 
 
 def get_config(corpus: str = "shakespeare"):

@@ -14,7 +14,7 @@ back in their FFN (SwiGLU d_ff 373 instead of 344; FlashFFN d_e 144 instead of 1
 
 import ml_collections
 
-from configs import lm_default
+from neurips26_jax.configs import lm_default
 
 _SSM = {"head_dim": 32, "state_dim": 16, "chunk": 64}
 

@@ -13,7 +13,7 @@ coordinates), none (a control without positions).
 
 import ml_collections
 
-from configs import lm_smoke
+from neurips26_jax.configs import lm_smoke
 
 
 def get_config():

@@ -18,7 +18,7 @@ Arms (everything else equal: d=48, 3 blocks, 2 heads, SwiGLU d_ff 128, XLA path)
 
 import ml_collections
 
-from configs import seg3d_smoke
+from neurips26_jax.configs import seg3d_smoke
 
 
 def get_config():

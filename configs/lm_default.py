@@ -1,14 +1,14 @@
 """The main job: a byte-level LM with FRAC mixers and FlashFFN on the Python stdlib source.
 
 About 3 minutes on a 2-core CPU (`make demo`):
-  python -m train.train_lm --config=configs/lm_default.py --workdir=runs/lm_default
+  neurips26-train-lm --config=lm_default --workdir=runs/lm_default
 Baseline variants: --config.model.ffn=swiglu --config.model.ffn_options='{}' (SwiGLU then
 takes FlashFFN's parameter count, LanguageModel's rule), --config.model.mixer=mamba2.
 """
 
 import ml_collections
 
-from configs import lm_smoke
+from neurips26_jax.configs import lm_smoke
 
 
 def get_config():

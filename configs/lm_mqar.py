@@ -1,6 +1,6 @@
 """MQAR (multi-query associative recall) with power-law gaps: 64 key-value pairs in 512 tokens.
 
-  python -m train.train_lm --config=configs/lm_mqar.py --workdir=runs/mqar_frac
+  neurips26-train-lm --config=lm_mqar --workdir=runs/mqar_frac
   ... --config.model.mixer=attention --config.model.mixer_options='{}'   (the attention reference)
 Other tasks: --config.data.kind=lag_recall --config.data.options='{}', or
 --config.data.kind=selective_copy --config.data.options='{"num_tokens": 16}'.
@@ -8,7 +8,7 @@ Other tasks: --config.data.kind=lag_recall --config.data.options='{}', or
 
 import ml_collections
 
-from configs import lm_default
+from neurips26_jax.configs import lm_default
 
 
 def get_config():

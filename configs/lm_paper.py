@@ -1,7 +1,7 @@
 """Language models at the FlashFFN paper's sizes, for a TPU slice (and `benchmarks/aot/scale.py`,
 which compiles their train step for one without the chips).
 
-  python -m train.train_lm --config=configs/lm_paper.py:370m --workdir=gs://.../run \
+  neurips26-train-lm --config=lm_paper:370m --workdir=gs://.../run \
       --config.model.ffn=swiglu --config.model.mixer=frac
 
 Sizes (GPT-3's shapes, which the paper's 125M / 350M / 1.3B models follow), `SIZES`:
@@ -20,7 +20,7 @@ every chip (fsdp), AdamW at GPT-3's learning rate for the size.
 
 import ml_collections
 
-from configs import lm_smoke
+from neurips26_jax.configs import lm_smoke
 
 SIZES = {"125m": dict(d_model=768, num_layers=12, num_heads=12, lr=6e-4),
          "370m": dict(d_model=1024, num_layers=24, num_heads=16, lr=3e-4),
@@ -29,7 +29,8 @@ SIZES = {"125m": dict(d_model=768, num_layers=12, num_heads=12, lr=6e-4),
 
 def get_config(size: str = "370m"):
   if size not in SIZES:
-    raise ValueError(f"configs/lm_paper.py: size must be one of {tuple(SIZES)}, got {size!r}")
+    raise ValueError(f"lm_paper: the size after ':' must be one of {tuple(SIZES)}, "
+                     f"got {size!r}")
   shape = dict(SIZES[size])
   lr = shape.pop("lr")
   c = lm_smoke.get_config()

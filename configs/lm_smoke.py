@@ -1,6 +1,6 @@
 """Tiny byte-level LM for tests and smoke runs (a fraction of a second per step on CPU).
 
-  python -m train.train_lm --config=configs/lm_smoke.py --workdir=/tmp/lm_smoke
+  neurips26-train-lm --config=lm_smoke --workdir=/tmp/lm_smoke
 """
 
 import ml_collections

@@ -3,12 +3,12 @@ procedural cell volumes of different shapes; --config.model.kind=unet3d for the 
 3D U-Net baseline. Compare eval_dice in metrics.jsonl. Sized for an accelerator (about
 100 s per step on a 2-core CPU; use configs/seg3d_smoke.py there).
 
-  python -m train.train_seg3d --config=configs/seg3d_cells.py --workdir=runs/seg3d_pack3d
+  neurips26-train-seg3d --config=seg3d_cells --workdir=runs/seg3d_pack3d
 """
 
 import ml_collections
 
-from configs import seg3d_smoke
+from neurips26_jax.configs import seg3d_smoke
 
 
 def get_config():

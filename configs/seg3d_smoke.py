@@ -1,11 +1,11 @@
 """Tiny 3D segmentation run for tests and smoke runs (Pack3DSegmenter, two fields per item).
 
-  python -m train.train_seg3d --config=configs/seg3d_smoke.py --workdir=/tmp/seg3d_smoke
+  neurips26-train-seg3d --config=seg3d_smoke --workdir=/tmp/seg3d_smoke
 """
 
 import ml_collections
 
-from configs import lm_smoke
+from neurips26_jax.configs import lm_smoke
 
 
 def get_config():

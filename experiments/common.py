@@ -170,7 +170,7 @@ def fit(config, workdir, task, key: str):
   """trainer.fit(config, workdir, task); a run stopped by SIGTERM/SIGINT (its checkpoint saved)
   ends the runner with exit status 1 instead of being recorded as finished: rerunning the same
   command resumes it."""
-  from train import trainer  # noqa: PLC0415
+  from neurips26_jax.train import trainer  # noqa: PLC0415
   result = trainer.fit(config, workdir, task)
   if result.stopped:
     log(f"{key}: stopped by {result.stopped} at a checkpoint; not recorded (rerun to resume)")
@@ -202,7 +202,7 @@ def make_train_step(model: nnx.Module, loss_fn: Callable, optim_config, steps: i
   the trainer's update (`train.optim.make_optimizer`: clipping and AdamW) on
   loss_fn(model, batch)[0], without sharding or metrics: what the throughput stages time."""
   import optax  # noqa: PLC0415
-  from train import optim  # noqa: PLC0415
+  from neurips26_jax.train import optim  # noqa: PLC0415
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   tx = optim.make_optimizer(optim_config, steps)
 

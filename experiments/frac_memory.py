@@ -36,10 +36,10 @@ from absl import app, flags, logging
 from flax import nnx
 
 from experiments import common, memory_tasks
-from jaxops import frac as frac_ops
-import train
-from train import lm_task, trainer
-from train.data import synthetic, text
+from neurips26_jax import train
+from neurips26_jax.jaxops import frac as frac_ops
+from neurips26_jax.train import lm_task, trainer
+from neurips26_jax.train.data import synthetic, text
 
 NAME = "frac_memory"
 

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxops import packing
+from neurips26_jax.jaxops import packing
 
 NUM_CLASSES = 5
 CHANNELS = 4

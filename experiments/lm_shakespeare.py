@@ -31,9 +31,9 @@ from absl import app, flags, logging
 from flax import nnx
 
 from experiments import common
-from train import lm_task
-from train.data import text
-from train.metrics import read_metrics
+from neurips26_jax.train import lm_task
+from neurips26_jax.train.data import text
+from neurips26_jax.train.metrics import read_metrics
 
 NAME = "lm_shakespeare"
 
@@ -98,7 +98,7 @@ def arm_config(base, arm: str, seed: int, lr: float | None = None):
 
 def model_params(config) -> int:
   kwargs = config.model.to_dict()
-  from models.lm import LanguageModel  # noqa: PLC0415
+  from neurips26_jax.models.lm import LanguageModel  # noqa: PLC0415
   return common.param_count(nnx.eval_shape(lambda: LanguageModel(**kwargs, rngs=nnx.Rngs(0))))
 
 
@@ -217,7 +217,7 @@ def profile_stage(base, arms, results: common.Results, repeats: int = 30) -> Non
   """Per arm: train step, and per layer the mixer and FFN forward+backward alone (ms, FLOPs);
   for FlashFFN arms also the FFN through the einsum reference (no chunking/recomputation);
   for FRAC / Mamba-2 arms the scan alone (jaxops.frac.frac_scan, the mixer's XLA path)."""
-  from jaxops import frac as frac_ops  # noqa: PLC0415
+  from neurips26_jax.jaxops import frac as frac_ops  # noqa: PLC0415
   b, l, d = base.batch_size, base.model.context, base.model.d_model
   x = jax.random.normal(jax.random.key(0), (b, l, d))
   before = common.machine_load()

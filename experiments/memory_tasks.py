@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from train.data import synthetic
-from train.data.synthetic import FIRST
+from neurips26_jax.train.data import synthetic
+from neurips26_jax.train.data.synthetic import FIRST
 
 
 def lag_recall_lags(*, seed: int, stream: int, index: int, batch: int, length: int, vocab: int,

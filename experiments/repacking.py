@@ -36,10 +36,10 @@ from absl import app, flags, logging
 from flax import nnx
 
 from experiments import common, geometry_task
-from jaxops import pack3d_levels, packing
-from models.seg3d import Pack3DSegmenter
-from train import inference, trainer
-from train.losses import masked_cross_entropy
+from neurips26_jax.jaxops import pack3d_levels, packing
+from neurips26_jax.models.seg3d import Pack3DSegmenter
+from neurips26_jax.train import inference, trainer
+from neurips26_jax.train.losses import masked_cross_entropy
 
 NAME = "repacking"
 

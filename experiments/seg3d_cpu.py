@@ -22,8 +22,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import common
-from train import seg3d_task
-from train.metrics import read_metrics
+from neurips26_jax.train import seg3d_task
+from neurips26_jax.train.metrics import read_metrics
 
 NAME = "seg3d_cpu"
 

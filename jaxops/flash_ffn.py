@@ -23,9 +23,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxops import checks
-from jaxops.rms_norm import rms_normalize_groups
-from jaxops.tiling import seq_chunks, seq_unchunk
+from neurips26_jax.jaxops import checks
+from neurips26_jax.jaxops.rms_norm import rms_normalize_groups
+from neurips26_jax.jaxops.tiling import seq_chunks, seq_unchunk
 
 _F32 = jnp.float32
 

@@ -36,8 +36,8 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 
-from jaxops import checks
-from jaxops.frac_chunk import Modes, TilePlan, chunk_backward, chunk_forward
+from neurips26_jax.jaxops import checks
+from neurips26_jax.jaxops.frac_chunk import Modes, TilePlan, chunk_backward, chunk_forward
 
 _F32 = jnp.float32
 

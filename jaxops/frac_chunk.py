@@ -42,7 +42,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxops import tiling
+from neurips26_jax.jaxops import tiling
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST

@@ -48,10 +48,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxops import checks
-from jaxops import pack3d_levels as levels_lib
-from jaxops.pack3d_layout import CubeLayout, cube_layout, is_far, poison_overflow
-from jaxops.rope import axial_rope_3d_float
+from neurips26_jax.jaxops import checks
+from neurips26_jax.jaxops import pack3d_levels as levels_lib
+from neurips26_jax.jaxops.pack3d_layout import CubeLayout, cube_layout, is_far, poison_overflow
+from neurips26_jax.jaxops.rope import axial_rope_3d_float
 
 _F32 = jnp.float32
 MASK = -1e30  # finite "minus infinity": fully masked rows stay finite (and are discarded)

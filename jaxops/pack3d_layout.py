@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxops import checks
+from neurips26_jax.jaxops import checks
 
 _F32 = jnp.float32
 

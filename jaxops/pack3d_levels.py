@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxops import checks
-from jaxops.pack3d_layout import MAX_FIELDS, cube_distance
+from neurips26_jax.jaxops import checks
+from neurips26_jax.jaxops.pack3d_layout import MAX_FIELDS, cube_distance
 
 _F32 = jnp.float32
 # The default level_key_gain, the rule and its measurement in DESIGN.md section 3.1: a level-k

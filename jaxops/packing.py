@@ -28,7 +28,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxops import checks
+from neurips26_jax.jaxops import checks
 
 LAYOUTS = ("raster_zyx", "raster_xyz", "morton", "hilbert", "cube_major", "shuffled_fields")
 

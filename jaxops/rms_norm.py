@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxops import checks
+from neurips26_jax.jaxops import checks
 
 
 @jax.custom_vjp

@@ -21,7 +21,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxops import checks
+from neurips26_jax.jaxops import checks
 
 _F32 = jnp.float32
 

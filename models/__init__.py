@@ -4,16 +4,16 @@ Layers with a Pallas kernel (FlashFFN, FRACMixer, Pack3DAttention, and the model
 them) take `impl` ("auto" by default; see `models.impl`) and `interpret`.
 """
 
-from models.attention import CausalAttention
-from models.block import Block
-from models.flash_ffn import FlashFFN, SwiGLU, default_d_expert
-from models.frac import FRACMixer
-from models.impl import IMPLS, Impl
-from models.lm import LanguageModel
-from models.norm import RMSNorm
-from models.pack3d import Pack3DAttention
-from models.seg3d import Pack3DSegmenter, voxel_logits
-from models.unet3d import UNet3D, unet3d_matching
+from neurips26_jax.models.attention import CausalAttention
+from neurips26_jax.models.block import Block
+from neurips26_jax.models.flash_ffn import FlashFFN, SwiGLU, default_d_expert
+from neurips26_jax.models.frac import FRACMixer
+from neurips26_jax.models.impl import IMPLS, Impl
+from neurips26_jax.models.lm import LanguageModel
+from neurips26_jax.models.norm import RMSNorm
+from neurips26_jax.models.pack3d import Pack3DAttention
+from neurips26_jax.models.seg3d import Pack3DSegmenter, voxel_logits
+from neurips26_jax.models.unet3d import UNet3D, unet3d_matching
 
 __all__ = ["IMPLS", "Block", "CausalAttention", "FRACMixer", "FlashFFN", "Impl", "LanguageModel",
            "Pack3DAttention", "Pack3DSegmenter", "RMSNorm", "SwiGLU", "UNet3D",

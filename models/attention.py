@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxops import checks
-from jaxops.rope import rope_1d
-from jaxops.tiling import seq_chunks, seq_unchunk
-from models.partitioning import constrain, param
+from neurips26_jax.jaxops import checks
+from neurips26_jax.jaxops.rope import rope_1d
+from neurips26_jax.jaxops.tiling import seq_chunks, seq_unchunk
+from neurips26_jax.models.partitioning import constrain, param
 
 
 def _softmax_attention(q, k, v, mask):

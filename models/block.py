@@ -14,9 +14,9 @@ import math
 import jax
 from flax import nnx
 
-from models.flash_ffn import FlashFFN, SwiGLU, flashffn_shape
-from models.norm import RMSNorm
-from models.partitioning import constrain, shard_layer
+from neurips26_jax.models.flash_ffn import FlashFFN, SwiGLU, flashffn_shape
+from neurips26_jax.models.norm import RMSNorm
+from neurips26_jax.models.partitioning import constrain, shard_layer
 
 FFNS = ("swiglu", "flashffn")
 

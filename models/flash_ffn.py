@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxops import checks
-from jaxops import flash_ffn as ffn_ops
-from models import impl as impl_table
-from models.impl import Impl, resolve_impl
-from models.partitioning import is_split, param, scale
+from neurips26_jax.jaxops import checks
+from neurips26_jax.jaxops import flash_ffn as ffn_ops
+from neurips26_jax.models import impl as impl_table
+from neurips26_jax.models.impl import Impl, resolve_impl
+from neurips26_jax.models.partitioning import is_split, param, scale
 
 
 # The paper's head width (FlashMHF configs: d_h = 128 at every size). On TPU v6e, whose MXUs

@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxops import checks
-from jaxops import frac as frac_ops
-from jaxops.rms_norm import rms_normalize
-from models import impl as impl_table
-from models.impl import Impl, resolve_impl
-from models import partitioning
-from models.partitioning import param
+from neurips26_jax.jaxops import checks
+from neurips26_jax.jaxops import frac as frac_ops
+from neurips26_jax.jaxops.rms_norm import rms_normalize
+from neurips26_jax.models import impl as impl_table
+from neurips26_jax.models import partitioning
+from neurips26_jax.models.impl import Impl, resolve_impl
+from neurips26_jax.models.partitioning import param
 
 _F32 = jnp.float32
 

@@ -24,14 +24,14 @@ import jax
 from flax import nnx
 from jax.extend import backend as jax_backend
 
-from jaxops import checks
-from jaxops import flash_ffn as ffn_ops
-from jaxops import frac as frac_ops
-from jaxops import pack3d as pack3d_ops
-from pallas_kernels import flash_ffn as ffn_kernel
-from pallas_kernels import frac_scan as frac_kernel
-from pallas_kernels import pack3d_attention as pack3d_kernel
-from pallas_kernels.dispatch import BACKENDS
+from neurips26_jax.jaxops import checks
+from neurips26_jax.jaxops import flash_ffn as ffn_ops
+from neurips26_jax.jaxops import frac as frac_ops
+from neurips26_jax.jaxops import pack3d as pack3d_ops
+from neurips26_jax.pallas_kernels import flash_ffn as ffn_kernel
+from neurips26_jax.pallas_kernels import frac_scan as frac_kernel
+from neurips26_jax.pallas_kernels import pack3d_attention as pack3d_kernel
+from neurips26_jax.pallas_kernels.dispatch import BACKENDS
 
 Impl = Literal["auto", "pallas", "xla", "reference"]
 IMPLS: tuple[str, ...] = get_args(Impl)

@@ -17,15 +17,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxops import checks
-from jaxops import frac as frac_ops
-from models import attention as attention_lib
-from models.attention import CausalAttention
-from models.block import FFNS, Block, make_ffn, param_count
-from models.flash_ffn import swiglu_width
-from models.impl import Impl, resolve_impl
-from models.norm import RMSNorm
-from models.partitioning import constrain, param
+from neurips26_jax.jaxops import checks
+from neurips26_jax.jaxops import frac as frac_ops
+from neurips26_jax.models import attention as attention_lib
+from neurips26_jax.models.attention import CausalAttention
+from neurips26_jax.models.block import FFNS, Block, make_ffn, param_count
+from neurips26_jax.models.flash_ffn import swiglu_width
+from neurips26_jax.models.impl import Impl, resolve_impl
+from neurips26_jax.models.norm import RMSNorm
+from neurips26_jax.models.partitioning import constrain, param
 
 MIXERS = ("attention", "frac", "mamba2")
 
@@ -35,7 +35,8 @@ def make_mixer(kind: str, d_model: int, num_heads: int, *, context: int, impl: s
   """The sequence mixer `kind` (one of MIXERS); `options` go to its constructor."""
   if kind == "attention":
     return CausalAttention(d_model, num_heads, context=context, dtype=dtype, rngs=rngs, **options)
-  from models.frac import FRACMixer  # noqa: PLC0415  (lazy: FRAC lives in its own module)
+  # lazy: FRAC lives in its own module
+  from neurips26_jax.models.frac import FRACMixer  # noqa: PLC0415
   return FRACMixer(d_model, num_heads=num_heads, context=context, impl=impl, interpret=interpret,
                    dtype=dtype, mamba2=kind == "mamba2", rngs=rngs, **options)
 

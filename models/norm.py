@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxops import checks
-from models.partitioning import scale
+from neurips26_jax.jaxops import checks
+from neurips26_jax.models.partitioning import scale
 
 
 class RMSNorm(nnx.Module):

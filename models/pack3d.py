@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxops import checks
-from jaxops import pack3d_levels as levels_lib
-from jaxops import rope
-from models import impl as impl_table
-from models.impl import Impl, resolve_impl
-from models.partitioning import param
+from neurips26_jax.jaxops import checks
+from neurips26_jax.jaxops import pack3d_levels as levels_lib
+from neurips26_jax.jaxops import rope
+from neurips26_jax.models import impl as impl_table
+from neurips26_jax.models.impl import Impl, resolve_impl
+from neurips26_jax.models.partitioning import param
 
 Position = Literal["axial_rope", "learned_packed", "rope_packed", "none"]
 _POSITIONS = ("axial_rope", "learned_packed", "rope_packed", "none")

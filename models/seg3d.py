@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxops import checks, packing
-from models.block import FFNS, Block, make_ffn
-from models.impl import Impl
-from models.norm import RMSNorm
-from models.partitioning import param
+from neurips26_jax.jaxops import checks, packing
+from neurips26_jax.models.block import FFNS, Block, make_ffn
+from neurips26_jax.models.impl import Impl
+from neurips26_jax.models.norm import RMSNorm
+from neurips26_jax.models.partitioning import param
 
 
 class Pack3DSegmenter(nnx.Module):
@@ -45,7 +45,8 @@ class Pack3DSegmenter(nnx.Module):
                num_classes: int, d_model: int, depth: int, num_heads: int, ffn: str = "swiglu",
                ffn_options: dict | None = None, attention_options: dict | None = None,
                impl: Impl = "auto", interpret=None, dtype=None, rngs: nnx.Rngs):
-    from models.pack3d import Pack3DAttention  # noqa: PLC0415  (lazy: Pack3D's own module)
+    # lazy: Pack3D's own module
+    from neurips26_jax.models.pack3d import Pack3DAttention  # noqa: PLC0415
     checks.one_of("Pack3DSegmenter", "ffn", ffn, FFNS)
     checks.ints("Pack3DSegmenter", dict(d_model=d_model, depth=depth, num_heads=num_heads,
                                         num_classes=num_classes, in_channels=in_channels))

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxops import checks
-from models.norm import RMSNorm
-from models.partitioning import axes_metadata
+from neurips26_jax.jaxops import checks
+from neurips26_jax.models.norm import RMSNorm
+from neurips26_jax.models.partitioning import axes_metadata
 
 
 def _conv(conv_class, c_in: int, c_out: int, kernel_size, **kwargs) -> nnx.Module:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from jaxops import checks
+from neurips26_jax.jaxops import checks
 
 Backend = Literal["mosaic", "triton", "mosaic_gpu"]
 BACKENDS = ("mosaic", "triton", "mosaic_gpu")

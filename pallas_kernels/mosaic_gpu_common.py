@@ -23,7 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.dispatch import BLACKWELL, compute_capability
+from neurips26_jax.pallas_kernels.dispatch import BLACKWELL, compute_capability
 
 _F32 = jnp.float32
 

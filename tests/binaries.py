@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-_OURS = ("jaxops", "pallas_kernels", "models", "train", "experiments", "configs", "benchmarks")
+_OURS = ("neurips26_jax", "jaxops", "pallas_kernels", "models", "train", "experiments", "configs",
+         "benchmarks")
 # What Python prints for a DeprecationWarning from our packages or from JAX (the suite's
 # policy in pyproject.toml, for code that runs in a subprocess), less the Triton notice.
 _DEPRECATION = re.compile(

@@ -3,7 +3,7 @@ child of one process that has already imported both binaries, so a table of comm
 one start-up of Python and JAX instead of one each. The child runs the binary's own __main__
 (absl flag parsing, checks, training) on the case's argv, exactly as `python -m MODULE ARGV`.
 
-stdin: [{"module": "train.train_lm", "argv": ["--config=...", ...]}, ...]
+stdin: [{"module": "neurips26_jax.train.train_lm", "argv": ["--config=...", ...]}, ...]
 stdout: one JSON list of {"status": exit status, "output": stdout + stderr, "seconds": wall time}
 """
 
@@ -15,9 +15,9 @@ import tempfile
 import time
 import traceback
 
-import train.cli  # noqa: F401  (the imports every child shares)
-import train.lm_task  # noqa: F401
-import train.seg3d_task  # noqa: F401
+import neurips26_jax.train.cli  # noqa: F401  (the imports every child shares)
+import neurips26_jax.train.lm_task  # noqa: F401
+import neurips26_jax.train.seg3d_task  # noqa: F401
 
 
 def _child(module: str, argv: list[str]) -> int:

@@ -11,7 +11,7 @@ import time
 
 from orbax.checkpoint._src.path import atomicity
 
-from train import trainer
+from neurips26_jax.train import trainer
 
 STEP_S = float(os.environ.get("SLOW_STEP_S", "0"))
 SAVE_S = float(os.environ.get("SLOW_SAVE_S", "0"))

@@ -9,8 +9,8 @@ import inspect
 import pytest
 from flax import nnx
 
-import models
-from models import impl as impl_module
+from neurips26_jax import models
+from neurips26_jax.models import impl as impl_module
 
 KERNEL_LAYERS = ("FlashFFN", "FRACMixer", "Pack3DAttention", "LanguageModel", "Pack3DSegmenter")
 LAYERS = KERNEL_LAYERS + ("SwiGLU", "CausalAttention", "RMSNorm", "Block", "UNet3D")
@@ -89,7 +89,7 @@ def test_backend_reaches_the_kernel_and_makes_auto_the_kernel(name, op, monkeypa
   monkeypatch.setitem(impl_module.OPS[op], "pallas",
                       lambda *a, **kw: seen.append(kw.get("backend")) or real(*a, **kw))
   if name == "Pack3DAttention":
-    from jaxops import packing
+    from neurips26_jax.jaxops import packing
     coords = packing.grid_coords((2, 2, 2))[None]
     layer(jnp.ones((1, 8, 12)), coords, jnp.zeros((1, 8), jnp.int32))
   else:

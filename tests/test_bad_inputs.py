@@ -13,12 +13,12 @@ import pytest
 from flax import nnx
 from jax.experimental import checkify
 
-from jaxops import flash_ffn, frac, pack3d, packing, rope
-from jaxops.rms_norm import rms_normalize_groups
-from models import (CausalAttention, FlashFFN, FRACMixer, LanguageModel, Pack3DAttention,
-                    Pack3DSegmenter, RMSNorm, SwiGLU, UNet3D)
-from pallas_kernels import flash_ffn as ffn_kernel
-from train import lm_task, seg3d_task
+from neurips26_jax.jaxops import flash_ffn, frac, pack3d, packing, rope
+from neurips26_jax.jaxops.rms_norm import rms_normalize_groups
+from neurips26_jax.models import (CausalAttention, FlashFFN, FRACMixer, LanguageModel,
+                                  Pack3DAttention, Pack3DSegmenter, RMSNorm, SwiGLU, UNet3D)
+from neurips26_jax.pallas_kernels import flash_ffn as ffn_kernel
+from neurips26_jax.train import lm_task, seg3d_task
 
 
 def ones(*shape, dtype=jnp.float32):

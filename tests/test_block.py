@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.block import Block
-from models.norm import RMSNorm
+from neurips26_jax.models.block import Block
+from neurips26_jax.models.norm import RMSNorm
 from tests.layer_formula_checks import P, close, normal, randomize, rms_norm, run
 
 

@@ -12,13 +12,13 @@ import sys
 import pytest
 from ml_collections import ConfigDict
 
-from configs import lm_smoke
-from models.unet3d import param_count
+from neurips26_jax.configs import lm_smoke
+from neurips26_jax.models.unet3d import param_count
+from neurips26_jax.train import lm_task
 from tests.binaries import REPO
-from train import lm_task
 
-LM, SEG = "train.train_lm", "train.train_seg3d"
-TINY = ["--config=configs/lm_smoke.py", "--config.steps=2", "--config.eval_every=2",
+LM, SEG = "neurips26_jax.train.train_lm", "neurips26_jax.train.train_seg3d"
+TINY = ["--config=lm_smoke", "--config.steps=2", "--config.eval_every=2",
         "--config.eval_batches=1", "--config.data.max_bytes=100000", "--config.model.context=16",
         "--config.sample.num_tokens=4"]
 
@@ -31,9 +31,10 @@ def runs(tmp_path_factory):
       "train": (LM, [*TINY, f"--workdir={workdir}"]),
       "rerun": (LM, [*TINY, f"--workdir={workdir}", "--config.eval_every=1"]),
       "eval": (LM, [f"--workdir={workdir}", "--mode=eval"]),
-      "sample": (LM, [f"--workdir={workdir}", "--mode=sample", "--config=configs/lm_smoke.py",
+      "sample": (LM, [f"--workdir={workdir}", "--mode=sample", "--config=lm_smoke",
                       "--config.sample.prompt=abc", "--config.sample.num_tokens=5"]),
       "missing_step": (LM, [f"--workdir={workdir}", "--mode=eval", "--step=1"]),
+      # a config file's path, where the others name a packaged config
       "config": (LM, ["--config=configs/lm_smoke.py", "--mode=config", "--config.steps=7"]),
       "help_lm": (LM, ["--help"]),
       "help_seg3d": (SEG, ["--help"]),
@@ -85,7 +86,8 @@ def test_eval_and_sample_from_the_workdir(runs):
   assert text.splitlines()[1].startswith("abc")
   missing = results["missing_step"]
   assert missing["status"] == 2 and missing["output"].strip().splitlines() == [
-      f"error: no checkpoint at step 1 in {workdir}/checkpoints; the steps saved are [2]"]
+      f"error: no checkpoint at step 1 in {workdir}/checkpoints; the steps saved are [2] (a run "
+      "keeps only its newest config.keep_checkpoints checkpoints)"]
 
 
 def flat_fields(config, prefix="config") -> set[str]:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from train.data import synthetic
+from neurips26_jax.train.data import synthetic
 
 COMMON = dict(seed=0, stream=0, index=0, batch=6, length=64, vocab=40)
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from train.data import text
+from neurips26_jax.train.data import text
 
 
 def test_stdlib_corpus_is_python_source_and_deterministic():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from train.data import volumes
+from neurips26_jax.train.data import volumes
 
 SHAPES = [(8, 8, 8), (8, 12, 16)]
 

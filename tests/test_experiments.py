@@ -13,11 +13,11 @@ import pytest
 from flax import nnx
 
 from experiments import common, geometry_task, memory_tasks, repacking
-from jaxops import frac as frac_ops
-from jaxops import packing
-from models.lm import LanguageModel
-from models.pack3d import Pack3DAttention
-from train.data import synthetic
+from neurips26_jax.jaxops import frac as frac_ops
+from neurips26_jax.jaxops import packing
+from neurips26_jax.models.lm import LanguageModel
+from neurips26_jax.models.pack3d import Pack3DAttention
+from neurips26_jax.train.data import synthetic
 
 
 def _load_config(path):
@@ -215,7 +215,7 @@ def test_a_stopped_run_ends_the_runner_unrecorded(monkeypatch):
   """SIGTERM stops fit at a checkpoint: the runner must exit, not record (and evaluate) the
   partly trained model as a finished run and go on to the next one."""
   import types  # noqa: PLC0415
-  from train import trainer  # noqa: PLC0415
+  from neurips26_jax.train import trainer  # noqa: PLC0415
   monkeypatch.setattr(trainer, "fit", lambda *a: types.SimpleNamespace(stopped="SIGTERM"))
   with pytest.raises(SystemExit):
     common.fit(None, None, None, "arm/seed0")
@@ -381,7 +381,7 @@ def test_throughput_interleaves_arms_and_keeps_each_best_round(monkeypatch):
 def test_every_joint_arm_has_a_local_twin_with_its_parameters(config):
   """The far-branch-off evaluation builds each joint arm's local-only twin (multi-level options
   dropped, `pack3d_levels.OPTIONS`) and loads the arm's parameters into it."""
-  base = importlib.import_module(f"configs.{config}").get_config()
+  base = importlib.import_module(f"neurips26_jax.configs.{config}").get_config()
   for arm in base.experiment.order:
     attention = repacking.arm_options(base, arm)
     if attention.get("merge", "joint") != "joint":

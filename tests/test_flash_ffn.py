@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxops import flash_ffn as ops
-from jaxops.rms_norm import rms_normalize
-from models import FlashFFN, SwiGLU
-from models.flash_ffn import flashffn_param_count, heads_and_router
-from pallas_kernels import flash_ffn as kernel
-from pallas_kernels.dispatch import mosaic_gpu_available
-from pallas_kernels.flash_ffn import tiles
+from neurips26_jax.jaxops import flash_ffn as ops
+from neurips26_jax.jaxops.rms_norm import rms_normalize
+from neurips26_jax.models import FlashFFN, SwiGLU
+from neurips26_jax.models.flash_ffn import flashffn_param_count, heads_and_router
+from neurips26_jax.pallas_kernels import flash_ffn as kernel
+from neurips26_jax.pallas_kernels.dispatch import mosaic_gpu_available
+from neurips26_jax.pallas_kernels.flash_ffn import tiles
 from tests import kernel_checks
 from tests.layer_formula_checks import (P, build, close, normal, randomize, rms_norm,
                                          run, sigmoid, silu, stats_match)
@@ -271,7 +271,7 @@ def test_mosaic_gpu_compute_wgs_errors(dtype, blocks, match):
 def test_warp_specialized_tokens_pad_to_whole_ctas():
   """block_q = 64 with block_q_dkv = 192: the tokens pad to a multiple of both 192 and a
   CTA's 2 x 64 (384), so no token is left out of the forward and dq grids."""
-  from pallas_kernels.flash_ffn.blocks import BlockSizes
+  from neurips26_jax.pallas_kernels.flash_ffn.blocks import BlockSizes
   q = jax.ShapeDtypeStruct((1, 192, 1, 64), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 2, 64, 64), jnp.bfloat16)
   blocks = BlockSizes(block_q=64, block_inter=32, block_q_dkv=192, compute_wgs=2)
@@ -437,7 +437,7 @@ def test_rms_normalize_gradient_matches_autodiff():
 def test_group_expansion_forms_agree():
   """The TPU (matmul) and default (repeat) forms of the per-group expansion are the same map;
   the CPU suite runs only the default one inside `rms_normalize_groups`."""
-  from jaxops import rms_norm
+  from neurips26_jax.jaxops import rms_norm
   v = jax.random.normal(jax.random.key(9), (3, 5, 4))
   for dtype in (jnp.float32, jnp.bfloat16):
     a = rms_norm._expand_matmul(v, 24, dtype)

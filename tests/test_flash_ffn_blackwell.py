@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import flash_ffn as kernel
-from pallas_kernels import dispatch
-from pallas_kernels.dispatch import target_chip
-from pallas_kernels.flash_ffn import mosaic_gpu as blackwell_kernels
+from neurips26_jax.pallas_kernels import flash_ffn as kernel
+from neurips26_jax.pallas_kernels import dispatch
+from neurips26_jax.pallas_kernels.dispatch import target_chip
+from neurips26_jax.pallas_kernels.flash_ffn import mosaic_gpu as blackwell_kernels
 from tests import independent as ind
 from tests import kernel_checks
 from tests import test_flash_ffn as hopper

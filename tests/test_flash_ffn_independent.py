@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxops import flash_ffn as ffn_ops
-from models import FlashFFN
-from pallas_kernels import flash_ffn as ffn_kernel
-from pallas_kernels.dispatch import mosaic_gpu_available
+from neurips26_jax.jaxops import flash_ffn as ffn_ops
+from neurips26_jax.models import FlashFFN
+from neurips26_jax.pallas_kernels import flash_ffn as ffn_kernel
+from neurips26_jax.pallas_kernels.dispatch import mosaic_gpu_available
 from tests import independent as ind
 from tests.independent_checks import as_f64, cast, check, check_directional, params
 

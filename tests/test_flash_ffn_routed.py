@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxops import flash_ffn as ops
-from pallas_kernels import flash_ffn as kernel
-from pallas_kernels.flash_ffn import tiles
+from neurips26_jax.jaxops import flash_ffn as ops
+from neurips26_jax.pallas_kernels import flash_ffn as kernel
+from neurips26_jax.pallas_kernels.flash_ffn import tiles
 from tests import kernel_checks
 
 # Odd L, 3 experts (the router's lanes padded to 128), d_e in a full and a partial tile.

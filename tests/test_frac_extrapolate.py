@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 
 from experiments import common, frac_memory, memory_tasks
-from models.lm import LanguageModel
-import train
-from train import lm_task
-from train.data import synthetic
+from neurips26_jax import train
+from neurips26_jax.models.lm import LanguageModel
+from neurips26_jax.train import lm_task
+from neurips26_jax.train.data import synthetic
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def test_sweep_then_seeds_order_and_best_lr(tmp_path):
 
 
 def _config():
-  from configs import exp_frac_extrapolate  # noqa: PLC0415
+  from neurips26_jax.configs import exp_frac_extrapolate  # noqa: PLC0415
   return exp_frac_extrapolate.get_config()
 
 
@@ -125,7 +125,7 @@ def test_runs_are_evaluated_beyond_their_length_from_their_checkpoints(tmp_path)
 
 def _clock_batch(t, length):
   from experiments import memory_tasks  # noqa: PLC0415
-  from train.data import text  # noqa: PLC0415
+  from neurips26_jax.train.data import text  # noqa: PLC0415
   b = memory_tasks.kv_recall(seed=10_000, stream=text.VAL, index=0, batch=t.batch, length=length,
                              vocab=t.vocab, num_pairs=t.num_pairs, power=t.power)
   distractors = b["mask"] == 0

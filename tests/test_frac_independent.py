@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from scipy import integrate
 
-from jaxops import frac as frac_ops
-from pallas_kernels import frac_scan as frac_kernel
+from neurips26_jax.jaxops import frac as frac_ops
+from neurips26_jax.pallas_kernels import frac_scan as frac_kernel
 from tests import independent as ind
 from tests.independent_checks import as_f64, cast, check, check_directional, params
 

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from scipy.special import gammaln
 
-from models.frac import FRACMixer
+from neurips26_jax.models.frac import FRACMixer
 from tests import kernel_checks
 from tests.layer_formula_checks import (P, build, close, normal, randomize, rms_norm,
                                          sigmoid, silu, softplus, stats_match)

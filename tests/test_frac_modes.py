@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.special import erfcx
 
-from jaxops import frac as ops
+from neurips26_jax.jaxops import frac as ops
 
 
 def _relative_error(rates, weights, u, target):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import frac_scan as kernel
+from neurips26_jax.pallas_kernels import frac_scan as kernel
 from tests import independent as ind
 from tests import kernel_checks
 from tests.independent_checks import as_f64, cast, check, check_directional
@@ -186,7 +186,7 @@ def test_default_chunk_follows_the_kernel_that_runs(measured, dtype, n, chunk):
   (once measured faster: `dispatch.MEASURED_FASTER`); where it cannot (N > 32), is not
   picked (float32) or is not yet measured, Triton runs with its 32 (64-token chunks spill
   its registers)."""
-  from pallas_kernels.dispatch import target_chip
+  from neurips26_jax.pallas_kernels.dispatch import target_chip
   x, b = jnp.zeros((1, 333, 4, 64), dtype), jnp.zeros((1, 333, 4, n), dtype)
   with (kernel_checks.measured_faster("frac_scan") if measured else contextlib.nullcontext(),
         target_chip("gpu-h100")):

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxops import frac as ops
-from pallas_kernels import frac_scan as kernel
+from neurips26_jax.jaxops import frac as ops
+from neurips26_jax.pallas_kernels import frac_scan as kernel
 from tests import kernel_checks
 from tests.test_flash_ffn import MOSAIC_GPU, mosaic_gpu_interpreter
 
@@ -101,7 +101,7 @@ def test_stacked_chunk_equals_mode_at_a_time(dtype):
   mode at a time, forward and backward, with padded modes (3 of 8) that must stay zero. With
   bf16 inputs too: the stacked form's products with a state carry 16 significant bits there
   (`frac_chunk._state_dot`), the other form's 24; 1e-5 catches one bf16 pass (8 bits)."""
-  from jaxops import frac_chunk as fc
+  from neurips26_jax.jaxops import frac_chunk as fc
   q, n, p, m, m_pad = 32, 16, 24, 5, 8
   ks = jax.random.split(jax.random.key(3), 8)
   x, dy = jax.random.normal(ks[0], (2, q, p)).astype(dtype)
@@ -142,7 +142,7 @@ def test_stacked_chunk_equals_mode_at_a_time(dtype):
 def test_running_sum_is_cumsum(q):
   """The tile plan's in-chunk running sums of dt (a matmul with a 0/1 triangle, its VJP one
   with the other) against jnp.cumsum, value and gradient, to float32 rounding."""
-  from jaxops import frac_chunk as fc
+  from neurips26_jax.jaxops import frac_chunk as fc
   ka, kg = jax.random.split(jax.random.key(7))
   a = jnp.exp(3 * jax.random.normal(ka, (3, 5, q)))          # magnitudes over ~8 decades
   g = jax.random.normal(kg, (3, 5, q))
@@ -224,7 +224,7 @@ def test_default_chunk_per_chip(monkeypatch, chip, chunk):
   """chunk=None: in a program traced for a TPU, that chip's TPU_CHUNK (the Mosaic kernels'
   fastest in libtpu's estimate); traced for CPU, Triton's 32. Read from the chunk-start states
   the backward keeps, [groups = B H, L / chunk, rows, columns]."""
-  from pallas_kernels.dispatch import target_chip
+  from neurips26_jax.pallas_kernels.dispatch import target_chip
   args = make_inputs(shape=(1, 512, 2, 4, 3, 2))
   if chip is not None:
     monkeypatch.setattr(kernel, "target_platform", lambda: "tpu")

@@ -20,7 +20,7 @@ def test_block_sweep_candidates_name_every_block_size():
   import dataclasses
 
   from benchmarks import gpu_tune_flash_ffn as tune
-  from pallas_kernels.flash_ffn.blocks import BlockSizes
+  from neurips26_jax.pallas_kernels.flash_ffn.blocks import BlockSizes
   assert tune.FIELDS == tuple(f.name for f in dataclasses.fields(BlockSizes))
   assert all(len(c) == len(tune.FIELDS) for cands in tune.CANDIDATES.values() for c in cands)
 
@@ -31,7 +31,7 @@ def test_gpu_benchmark_times_the_warp_specialized_forward_on_hopper():
   import jax.numpy as jnp
 
   from benchmarks import gpu_flash_ffn as bench
-  from pallas_kernels.dispatch import mosaic_gpu_available, target_chip
+  from neurips26_jax.pallas_kernels.dispatch import mosaic_gpu_available, target_chip
   if not mosaic_gpu_available():
     return
   with target_chip("gpu-h100"):

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import train
-from configs import seg3d_smoke
-from models import LanguageModel, Pack3DSegmenter
+from neurips26_jax import train
+from neurips26_jax.configs import seg3d_smoke
+from neurips26_jax.models import LanguageModel, Pack3DSegmenter
+from neurips26_jax.train import inference, lm_task, seg3d_task, trainer
+from neurips26_jax.train.errors import UsageError
+from neurips26_jax.train.metrics import read_metrics
 from tests.test_train import baseline, compilation_cache, config  # noqa: F401 (fixtures)
 from tests.test_trainer_crash import damage
-from train import inference, lm_task, seg3d_task, trainer
-from train.errors import UsageError
-from train.metrics import read_metrics
 
 
 def params(model):

@@ -11,7 +11,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.dispatch import mosaic_gpu_available
+from neurips26_jax.pallas_kernels.dispatch import mosaic_gpu_available
 from tests import kernel_checks
 
 X = jnp.arange(4 * 8 * 128, dtype=jnp.float32).reshape(32, 128)

@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxops import flash_ffn as flash_ops
-from jaxops import frac as frac_ops
-from jaxops import pack3d as pack3d_ops
-from jaxops import packing
-from pallas_kernels.flash_ffn import mhffn, mhffn_routed
-from pallas_kernels.frac_scan import frac_scan
-from pallas_kernels.pack3d_attention import pack3d_attention
+from neurips26_jax.jaxops import flash_ffn as flash_ops
+from neurips26_jax.jaxops import frac as frac_ops
+from neurips26_jax.jaxops import pack3d as pack3d_ops
+from neurips26_jax.jaxops import packing
+from neurips26_jax.pallas_kernels.flash_ffn import mhffn, mhffn_routed
+from neurips26_jax.pallas_kernels.frac_scan import frac_scan
+from neurips26_jax.pallas_kernels.pack3d_attention import pack3d_attention
 from tests import kernel_checks
 from tests import test_flash_ffn as flash_tests
 from tests import test_flash_ffn_routed as routed_tests

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pallas_kernels.dispatch import mosaic_gpu_available
+from neurips26_jax.pallas_kernels.dispatch import mosaic_gpu_available
 from tools import kernel_table
 
 

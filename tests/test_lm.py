@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models.frac  # noqa: F401  (imported, not skipped: an import error must fail here)
-from models.attention import CausalAttention
-from models.lm import LanguageModel
+from neurips26_jax.models.attention import CausalAttention
+# imported, not skipped: an import error must fail here
+import neurips26_jax.models.frac  # noqa: F401
+from neurips26_jax.models.lm import LanguageModel
 from tests.layer_formula_checks import (P, build, close, normal, randomize, rms_norm, rngs,
                                          rope_1d, run, stats_match, swiglu_numpy)
 
@@ -126,7 +127,7 @@ def test_query_chunks_attend_as_the_dense_form():
   """query_chunk=16 over L=40 (the last chunk padded; 3 key groups of one chunk): the
   formula, and the gradients of x and every weight equal to the dense form's (one chunk);
   the default chunk's rule."""
-  from models.attention import default_query_chunk
+  from neurips26_jax.models.attention import default_query_chunk
   chunked = build(CausalAttention, 32, 2, context=64, query_chunk=16)
   x = normal(1, (2, 40, 32)).astype(np.float32)
   close(run(chunked, x), causal_attention_numpy(chunked, x))
@@ -254,7 +255,7 @@ def test_lm_loss_chunks_a_large_vocabulary(monkeypatch):
   """train.lm_task.lm_loss on a LanguageModel: the masked cross entropy of its logits, with
   the logits of a large vocabulary computed a chunk at a time (128 positions here): the
   jitted gradient never forms the [B, L, V] float32 logits."""
-  from train import lm_task, losses
+  from neurips26_jax.train import lm_task, losses
   monkeypatch.setattr(losses, "LOGIT_ELEMENTS", 128 * 512)
   model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=300, vocab_size=512,
                         impl="xla", rngs=nnx.Rngs(0))
@@ -274,7 +275,7 @@ def test_paper_configs_build_at_their_sizes(size, millions):
   """configs/lm_paper.py: every mixer x FFN of a size holds its parameter count within 2%
   (abstract models: nothing is allocated); the counts include the 32k-vocabulary embedding
   and head."""
-  from configs import lm_paper
+  from neurips26_jax.configs import lm_paper
   for mixer in ("attention", "frac"):
     for ffn in ("swiglu", "flashffn"):
       kwargs = dict(lm_paper.get_config(size).model.to_dict(), mixer=mixer, ffn=ffn)

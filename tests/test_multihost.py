@@ -1,6 +1,6 @@
 """Multi-host on JAX's own runtime: the LM binary as two processes on this machine.
 
-Two `python -m train.train_lm` processes (2 CPU devices each, a localhost coordinator,
+Two `python -m neurips26_jax.train.train_lm` processes (2 CPU devices each, a localhost coordinator,
 jax.distributed.initialize, gloo collectives) train the mesh data=2 x fsdp=2, the data axis
 across the processes. Their logged losses must equal a single-process run of the same config on
 4 devices, only process 0 may print progress, the checkpoint they write together must resume in
@@ -26,12 +26,12 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from configs import lm_smoke
+from neurips26_jax.configs import lm_smoke
+from neurips26_jax.train import distributed, lm_task, trainer
+from neurips26_jax.train.errors import StartupError
+from neurips26_jax.train.metrics import read_metrics
 from tests.binaries import REPO
 from tests.test_train import compilation_cache  # noqa: F401  (autouse: the session's cache)
-from train import distributed, lm_task, trainer
-from train.errors import StartupError
-from train.metrics import read_metrics
 
 STEPS = 3                    # the two processes train 3 steps; the single process goes on to 5
 OVERRIDES = {                # tiny model, one eval batch, a checkpoint at the end
@@ -62,11 +62,12 @@ def free_port() -> int:
 
 
 def start_two_processes(workdir, logdir, *, slow_step_s=0.0, devices=2, **changes):
-  """Both processes of `python -m train.train_lm` with the same flags but --process_id, each
+  """Both processes of the train_lm binary with the same flags but --process_id, each
   with `devices` CPU devices (through tests.slow_binary, each batch `slow_step_s` slower, if
   given) -> ([Popen], [log path])."""
   flags = [f"--config.{k}={v}" for k, v in {**OVERRIDES, **changes}.items()]
-  module = ["tests.slow_binary", "train.train_lm"] if slow_step_s else ["train.train_lm"]
+  binary = "neurips26_jax.train.train_lm"
+  module = ["tests.slow_binary", binary] if slow_step_s else [binary]
   common = [sys.executable, "-m", *module, "--config=configs/lm_smoke.py", *flags,
             f"--workdir={workdir}", f"--coordinator_address=localhost:{free_port()}",
             "--num_processes=2"]
@@ -139,7 +140,7 @@ def test_the_meeting_refuses_misconfigured_processes_at_once(members, message):
 
 def start_alone(workdir, log, process_id, num_processes, port, timeout_s):
   """One process of a multi-host command whose other processes may never come -> Popen."""
-  cmd = [sys.executable, "-m", "train.train_lm", "--config=configs/lm_smoke.py",
+  cmd = [sys.executable, "-m", "neurips26_jax.train.train_lm", "--config=configs/lm_smoke.py",
          f"--workdir={workdir}", f"--coordinator_address=localhost:{port}",
          f"--num_processes={num_processes}", f"--process_id={process_id}",
          f"--init_timeout_s={timeout_s}"]

@@ -13,13 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxops import pack3d as ops
-from jaxops import packing, rope
-from jaxops.pack3d_layout import cube_layout, group_rows, layout_status, ungroup_rows
-from pallas_kernels import dispatch
-from pallas_kernels import pack3d_attention as kernel
-from pallas_kernels.pack3d_attention.blocks import BlockSizes
-from pallas_kernels.pack3d_attention.tiles import lane_groups
+from neurips26_jax.jaxops import pack3d as ops
+from neurips26_jax.jaxops import packing, rope
+from neurips26_jax.jaxops.pack3d_layout import cube_layout, group_rows, layout_status, ungroup_rows
+from neurips26_jax.pallas_kernels import dispatch
+from neurips26_jax.pallas_kernels import pack3d_attention as kernel
+from neurips26_jax.pallas_kernels.pack3d_attention.blocks import BlockSizes
+from neurips26_jax.pallas_kernels.pack3d_attention.tiles import lane_groups
 from tests import kernel_checks
 
 # Batch 2 with the same N = 135: entry 0 packs two fields, entry 1 one; no field is a

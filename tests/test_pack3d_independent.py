@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxops import pack3d as pack_ops
-from jaxops import rope as rope_ops
-from pallas_kernels import pack3d_attention as pack_kernel
+from neurips26_jax.jaxops import pack3d as pack_ops
+from neurips26_jax.jaxops import rope as rope_ops
+from neurips26_jax.pallas_kernels import pack3d_attention as pack_kernel
 from tests import independent as ind
 from tests.independent_checks import cast, check, check_directional, params, rounded
 

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxops import pack3d as pack3d_ops
-from jaxops import packing
-from models import partitioning
-from models.pack3d import Pack3DAttention
+from neurips26_jax.jaxops import pack3d as pack3d_ops
+from neurips26_jax.jaxops import packing
+from neurips26_jax.models import partitioning
+from neurips26_jax.models.pack3d import Pack3DAttention
+from neurips26_jax.train.optim import decay_mask
 from tests import kernel_checks
 from tests.layer_formula_checks import (build, close, normal, pack3d_layer_numpy,
                                          stats_match, two_fields)
 from tests.test_pack3d import BLOCK, COORDS, FIELD_IDS
-from train.optim import decay_mask
 
 D_MODEL, HEADS = 24, 2  # head dim 12, divisible by 6
 X = jax.random.normal(jax.random.key(0), COORDS.shape[:2] + (D_MODEL,))

@@ -11,7 +11,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jaxops import pack3d as ops
+from neurips26_jax.jaxops import pack3d as ops
 from tests import independent_checks as ic
 from tests import independent_multilevel as iml
 
@@ -151,8 +151,8 @@ def test_layer_with_levels_is_its_formula(layer_gain, op_gain):
   the multi-level op with g (None: the documented default) -> W_out; `impl="auto"` resolves
   to the XLA path where kernels do not compile (CPU)."""
   from flax import nnx
-  from jaxops import rope
-  from models import Pack3DAttention
+  from neurips26_jax.jaxops import rope
+  from neurips26_jax.models import Pack3DAttention
   layer = Pack3DAttention(12, H, block_shape=BLOCK, levels=3, level_radius=(2, 1),
                           level_key_gain=layer_gain, rngs=nnx.Rngs(0))
   assert layer.impl == "xla"
@@ -167,7 +167,7 @@ def test_layer_with_levels_is_its_formula(layer_gain, op_gain):
 
 def test_layer_refuses_multi_level_options_with_one_level():
   from flax import nnx
-  from models import Pack3DAttention
+  from neurips26_jax.models import Pack3DAttention
   with pytest.raises(ValueError, match="Pack3DAttention: `level_key_gain` is a multi-level"):
     Pack3DAttention(12, H, level_key_gain=8.0, rngs=nnx.Rngs(0))
 
@@ -176,7 +176,7 @@ def test_layer_refuses_multi_level_options_with_one_level():
                                      {"rotate_summaries": "after"}])
 def test_layer_refuses_levels_where_it_has_no_path(options):
   from flax import nnx
-  from models import Pack3DAttention
+  from neurips26_jax.models import Pack3DAttention
   with pytest.raises(ValueError, match="levels=2 needs impl 'auto', 'xla' or 'pallas'"):
     Pack3DAttention(12, H, levels=2, rngs=nnx.Rngs(0), **options)
 
@@ -197,7 +197,7 @@ def test_max_top_cubes_bounds_the_top_level_and_poisons_an_overflow():
   """Traced coords with max_top_cubes = the top level's exact slot count give the concrete
   result; one slot fewer would drop a top-level cube, so the entry's output is NaN (never a
   silently wrong answer)."""
-  from jaxops import pack3d_levels
+  from neurips26_jax.jaxops import pack3d_levels
   args = [jnp.asarray(a, jnp.float32) for a in (Q, K, V)]
   op = lambda q, k, v, c, f, top: ops.pack3d_attention(
       q, k, v, c, f, block_shape=BLOCK, levels=3, level_radius=(2, 1), max_cubes=80, chunk=3,

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxops import pack3d_levels
-from jaxops.pack3d_layout import cube_layout
-from pallas_kernels import pack3d_attention as kernel
+from neurips26_jax.jaxops import pack3d_levels
+from neurips26_jax.jaxops.pack3d_layout import cube_layout
+from neurips26_jax.pallas_kernels import pack3d_attention as kernel
 from tests import independent as ind
 from tests import independent_checks as ic
 from tests import independent_multilevel as iml
@@ -171,7 +171,7 @@ def test_layer_with_levels_runs_the_kernel():
   """Pack3DAttention(levels=3, impl="pallas") (with its per-head far offset) gives the XLA
   path's layer output with the same parameters."""
   from flax import nnx
-  from models import Pack3DAttention
+  from neurips26_jax.models import Pack3DAttention
   make = lambda impl: Pack3DAttention(12, H, block_shape=BLOCK, levels=3, level_radius=(2, 1),
                                       far_offset=True, impl=impl, rngs=nnx.Rngs(0))
   layer, xla = make("pallas"), make("xla")
@@ -184,8 +184,8 @@ def test_layer_with_levels_runs_the_kernel():
 def test_auto_picks_the_kernel_with_levels_where_it_compiles(monkeypatch):
   """`impl="auto"` with levels is the kernel on a TPU or GPU (the XLA path on CPU)."""
   from flax import nnx
-  from models import Pack3DAttention
-  from models import impl as impl_module
+  from neurips26_jax.models import Pack3DAttention
+  from neurips26_jax.models import impl as impl_module
   for compiled, expected in ((True, "pallas"), (False, "xla")):
     monkeypatch.setattr(impl_module, "compiles_kernels", lambda c=compiled: c)
     assert Pack3DAttention(12, H, levels=2, rngs=nnx.Rngs(0)).impl == expected

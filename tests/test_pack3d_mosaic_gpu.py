@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import pack3d_attention as pack_kernel
+from neurips26_jax.pallas_kernels import pack3d_attention as pack_kernel
 from tests import independent as ind
 from tests import kernel_checks
 from tests.independent_checks import cast, check, check_directional, rounded

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxops import packing
+from neurips26_jax.jaxops import packing
 
 SHAPES = [(3, 5, 2), (4, 4, 4), (1, 3, 7)]
 

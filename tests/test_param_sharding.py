@@ -17,12 +17,12 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from configs import lm_smoke
-from models import LanguageModel, Pack3DSegmenter, UNet3D
-from models import partitioning
-from models.partitioning import logical_axes
-from train import lm_task, optim, sharding, trainer
-from train.metrics import read_metrics
+from neurips26_jax.configs import lm_smoke
+from neurips26_jax.models import LanguageModel, Pack3DSegmenter, UNet3D
+from neurips26_jax.models import partitioning
+from neurips26_jax.models.partitioning import logical_axes
+from neurips26_jax.train import lm_task, optim, sharding, trainer
+from neurips26_jax.train.metrics import read_metrics
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
 
@@ -131,7 +131,7 @@ def test_sharded_losses_equal_one_device(tmp_path):
 def _kernel_case(kind):
   """(model, inputs, (module, kernel name)) for a one-block model whose `kind` layer calls its
   Pallas kernel (interpreted here) with H = 2 heads and a batch of 4."""
-  from pallas_kernels import flash_ffn, frac_scan, pack3d_attention
+  from neurips26_jax.pallas_kernels import flash_ffn, frac_scan, pack3d_attention
   tokens = jnp.arange(4 * 16).reshape(4, 16) % 256
   if kind == "flashffn":
     model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=16, ffn="flashffn",
@@ -190,7 +190,7 @@ def test_heads_the_tensor_axis_does_not_divide_run_replicated_on_a_sequence_spli
   """FlashFFN with 3 heads under tensor = 2: its parameters enter whole and the tokens are split
   over tensor along L instead (shard_layer's fallback); outputs and gradients equal one
   device's."""
-  from pallas_kernels import flash_ffn
+  from neurips26_jax.pallas_kernels import flash_ffn
   model = LanguageModel(d_model=48, num_layers=1, num_heads=3, context=16, ffn="flashffn",
                         ffn_options={"num_heads": 3, "num_experts": 2, "d_expert": 16},
                         impl="pallas",
@@ -233,8 +233,8 @@ def test_flashffn_casts_its_tables_before_the_op_only_where_they_are_split(monke
   """FlashFFN hands its op the float32 tables as stored (the kernels cast them in VMEM: no
   copy), except where the mesh splits them (fsdp): gathered whole there anyway, they are cast
   to the compute dtype first, so the gather moves half the bytes."""
-  from models import FlashFFN
-  from models import flash_ffn as ffn_module
+  from neurips26_jax.models import FlashFFN
+  from neurips26_jax.models import flash_ffn as ffn_module
   seen = []
   original = ffn_module._ordered_layer
 
@@ -279,8 +279,8 @@ def test_kernel_layers_gather_their_weights_inside_the_map_in_the_compute_dtype(
   `cast`) in bf16, the router and norm gain (read in float32) as stored. The op then sees its
   local head's tables whole, in bf16. (A gather left to the partitioner at the map's boundary
   moves and holds them in float32, whole, for many layers at once: benchmarks/README.md.)"""
-  from models import FlashFFN
-  from pallas_kernels import flash_ffn
+  from neurips26_jax.models import FlashFFN
+  from neurips26_jax.pallas_kernels import flash_ffn
   seen = []
   original = flash_ffn.mhffn_routed
   monkeypatch.setattr(flash_ffn, "mhffn_routed", lambda q, router, k, *a, **kw: seen.append(
@@ -307,7 +307,7 @@ def test_flashffn_tables_split_over_their_head_width_when_fsdp_does_not_divide_d
   """The tables [H, E, d_e, d_h] are split over fsdp along d_e, or along d_h where fsdp does
   not divide d_e (the 370M FRAC LM's d_e = 264 on 16 chips), never left whole on every chip
   (with their AdamW moments: 2.1 GiB per chip there, benchmarks/README.md)."""
-  from models import FlashFFN
+  from neurips26_jax.models import FlashFFN
   mesh = jax.sharding.AbstractMesh((1, 16, 1), partitioning.MESH_AXES)
   for d_e, expected in ((256, P("tensor", None, "fsdp", None)),
                         (264, P("tensor", None, None, "fsdp"))):
@@ -322,7 +322,7 @@ def test_a_kernel_layers_gradients_are_reduced_before_the_layer_below_runs_its_b
   this layer's reduced gradients; otherwise XLA combines every layer's gradient reduction
   into one collective at the end of the backward and holds all their whole gradients until
   then (125M on v5e-16: 1.17 -> 0.85 GiB per chip, benchmarks/README.md)."""
-  from models import FlashFFN
+  from neurips26_jax.models import FlashFFN
   layer = FlashFFN(32, 2, 2, 16, impl="xla", dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   x = jnp.ones((4, 8, 32), jnp.bfloat16)
   graphdef, state = nnx.split(layer)

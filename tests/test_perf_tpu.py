@@ -8,7 +8,7 @@ import json
 import pytest
 
 from benchmarks.aot import perf, static_profile
-from pallas_kernels.flash_ffn import blocks
+from neurips26_jax.pallas_kernels.flash_ffn import blocks
 
 # An entry with a while loop of 8 trips whose body holds a loop of 3: as libtpu's optimized
 # HLO prints them (computations first, the entry last).
@@ -128,7 +128,7 @@ def test_flash_ffn_kernel_programs_are_one_kernel_each(which):
   tiles (the routed backward exists only when a head's tables fit one expert group)."""
   import jax
   from benchmarks.aot import perf_programs
-  from pallas_kernels.dispatch import target_chip
+  from neurips26_jax.pallas_kernels.dispatch import target_chip
   with target_chip("tpu-v5e"):
     program = perf_programs.build(f"flash_ffn/{which}", "fwd", "bfloat16")
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in program.specs]

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
+from neurips26_jax.train import lm_task, metrics, trainer
+from neurips26_jax.train.metrics import read_metrics
 from tests.test_train import compilation_cache, config  # noqa: F401 (fixtures)
-from train import lm_task, metrics, trainer
-from train.metrics import read_metrics
 
 
 class Clock:

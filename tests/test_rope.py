@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxops import rope
+from neurips26_jax.jaxops import rope
 from tests import kernel_checks
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxops import rope as rope_ops
+from neurips26_jax.jaxops import rope as rope_ops
 from tests import independent as ind
 from tests.independent_checks import as_f64, cast, check, rounded
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import seg3d_smoke
-from models.seg3d import Pack3DSegmenter, voxel_logits
-from models.unet3d import UNet3D, param_count, unet3d_matching
-from train import seg3d_task, trainer
-from train.data import volumes
-from train.metrics import read_metrics
+from neurips26_jax.configs import seg3d_smoke
+from neurips26_jax.models.seg3d import Pack3DSegmenter, voxel_logits
+from neurips26_jax.models.unet3d import UNet3D, param_count, unet3d_matching
+from neurips26_jax.train import seg3d_task, trainer
+from neurips26_jax.train.data import volumes
+from neurips26_jax.train.metrics import read_metrics
 from tests import binaries
 from tests.layer_formula_checks import (P, build, close, normal, pack3d_layer_numpy,
                                          randomize, rms_norm, run, silu, stats_match,
@@ -84,7 +84,7 @@ def test_bad_config_names_the_field(field, value, message):
 
 
 def test_binary_one_step(tmp_path):
-  binaries.run_one_step("train.train_seg3d", "configs/seg3d_smoke.py", tmp_path)
+  binaries.run_one_step("neurips26_jax.train.train_seg3d", "configs/seg3d_smoke.py", tmp_path)
   assert (tmp_path / "checkpoints" / "1").is_dir() and (tmp_path / "loss.png").exists()
   assert "eval_dice" in read_metrics(tmp_path / "metrics.jsonl")[-1]
 

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxops import flash_ffn as ffn_ops
-from jaxops import frac as frac_ops
-from jaxops import pack3d as pack3d_ops
-from pallas_kernels import flash_ffn, frac_scan, pack3d_attention
+from neurips26_jax.jaxops import flash_ffn as ffn_ops
+from neurips26_jax.jaxops import frac as frac_ops
+from neurips26_jax.jaxops import pack3d as pack3d_ops
+from neurips26_jax.pallas_kernels import flash_ffn, frac_scan, pack3d_attention
 from tests import kernel_checks
 from tests.test_pack3d import packed
 

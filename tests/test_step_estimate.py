@@ -151,7 +151,7 @@ def test_a_half_differentiates_its_own_parameters(half, own):
   from flax import nnx
 
   from benchmarks.aot import perf_programs
-  from models import LanguageModel
+  from neurips26_jax.models import LanguageModel
   spec = dict(SPEC, context=256)
   program = perf_programs.build(f"lmstep/{half}", "fwd+bwd", "bfloat16", spec)
   args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in program.specs]

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import lm_smoke
-from train import lm_task, trainer
-from train.metrics import read_metrics
+from neurips26_jax.configs import lm_smoke
+from neurips26_jax.train import lm_task, trainer
+from neurips26_jax.train.metrics import read_metrics
 from tests import binaries
 
 
@@ -146,7 +146,7 @@ def test_bad_config_fails_before_compiling_naming_the_field(tmp_path, field, val
 
 
 def test_binary_one_step(tmp_path):
-  out = binaries.run_one_step("train.train_lm", "configs/lm_smoke.py", tmp_path)
+  out = binaries.run_one_step("neurips26_jax.train.train_lm", "configs/lm_smoke.py", tmp_path)
   assert "sample" in out.stdout and str(tmp_path) in out.stdout
   assert (tmp_path / "checkpoints" / "1").is_dir() and (tmp_path / "loss.png").exists()
   assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] > 0

@@ -10,12 +10,14 @@ import sys
 
 import pytest
 
-from configs import lm_smoke
+from neurips26_jax.configs import lm_smoke
+from neurips26_jax.train import trainer
+from neurips26_jax.train.errors import UsageError
 from tests.binaries import REPO
-from train import trainer
-from train.errors import UsageError
 
-LM, SEG = ("train.train_lm", "configs/lm_smoke.py"), ("train.train_seg3d", "configs/seg3d_smoke.py")
+LM = ("neurips26_jax.train.train_lm", "configs/lm_smoke.py")
+SEG = ("neurips26_jax.train.train_seg3d", "configs/seg3d_smoke.py")
+PACKAGED = "a packaged config is named without a path or .py (--config=lm_default), one of"
 CORPUS = REPO / "README.md"
 # (id, binary, flags, what the one line must contain)
 CASES = [
@@ -49,7 +51,18 @@ CASES = [
     ("unknown_mixer", LM, ["--config.model.mixer=lstm"], ["config.model is invalid", "lstm"]),
     ("sample_past_context", LM, ["--config.sample.num_tokens=100"],
      ["config.sample.num_tokens", "100", "config.model.context = 32"]),
-    ("missing_config_file", LM, None, ["--config", "configs/nope.py"]),
+    # --config: a path that is not there, a packaged config's name misspelt, a config whose
+    # get_config fails, each alone and with an override
+    ("missing_config_file", LM, ["--config=configs/nope.py"],
+     ["--config=configs/nope.py: no such config file", PACKAGED, "lm_smoke, seg3d_cells"]),
+    ("missing_config_file_and_override", LM, ["--config=configs/nope.py", "--config.steps=2"],
+     ["--config=configs/nope.py: no such config file", PACKAGED]),
+    ("misspelt_config_name", LM, ["--config=lm_defualt"], ["--config=lm_defualt", PACKAGED]),
+    ("misspelt_config_name_and_override", LM, ["--config=lm_defualt", "--config.steps=2"],
+     ["--config=lm_defualt", PACKAGED]),
+    ("bad_config_argument", LM, ["--config=lm_paper:13b"], ["--config=lm_paper:13b", "13b"]),
+    ("bad_config_argument_and_override", LM, ["--config=lm_paper:13b", "--config.steps=2"],
+     ["--config=lm_paper:13b", "13b"]),
     ("missing_workdir_flag", LM, "no workdir", ["--workdir"]),
     ("unwritable_workdir", LM, "workdir=/proc/not_here",
      ["--workdir=/proc/not_here", "expected a writable directory"]),
@@ -71,9 +84,10 @@ CASES = [
                                          "--mode=config"]),
     ("unknown_mode", LM, ["--mode=infer"], ["--mode", "infer", "train"]),
     ("sample_mode_of_seg3d", SEG, ["--mode=sample"], ["--mode=sample", "train, eval, config"]),
-    ("train_without_config", LM, "no config", ["--config=FILE is required", "train"]),
+    ("train_without_config", LM, "no config", ["--config is required", "train",
+                                               "--config=lm_smoke"]),
     ("override_without_config", LM, ("no config", "--mode=sample", "--config.sample.prompt=hi"),
-     ["--config.sample.prompt=hi", "no --config=FILE", "--config=configs/"]),
+     ["--config.sample.prompt=hi", "no --config was given", "--config=lm_default"]),
     ("eval_of_a_workdir_without_a_run", LM, ["--mode=eval"], ["config.json", "workdir of a training run"]),
     ("negative_init_timeout", LM, ["--init_timeout_s=-1"], ["--init_timeout_s", "-1"]),
     ("seg3d_unknown_model_kind", SEG, ["--config.model.kind=vit"],
@@ -87,8 +101,6 @@ CASES = [
 
 def argv(binary, flags, workdir):
   module, config = binary
-  if flags is None:
-    return module, ["--config=configs/nope.py", f"--workdir={workdir}"]
   if flags == "no workdir":
     return module, [f"--config={config}"]
   if flags == "no config":
@@ -97,6 +109,8 @@ def argv(binary, flags, workdir):
     return module, [f"--workdir={workdir}", *flags[1:]]
   if isinstance(flags, str):                        # "workdir=PATH"
     return module, [f"--config={config}", f"--{flags}"]
+  if flags[0].startswith("--config="):              # a config of the case's own
+    return module, [f"--workdir={workdir}", *flags]
   return module, [f"--config={config}", f"--workdir={workdir}", *flags]
 
 

@@ -19,11 +19,11 @@ import pytest
 from flax import nnx
 from orbax.checkpoint._src.path import atomicity
 
+from neurips26_jax.train import lm_task, trainer
+from neurips26_jax.train.checkpoints import Checkpoints, NonFiniteStateError
+from neurips26_jax.train.errors import UsageError
+from neurips26_jax.train.metrics import MetricWriter, read_metrics
 from tests.test_train import baseline, compilation_cache, config, losses  # noqa: F401 (fixtures)
-from train import lm_task, trainer
-from train.checkpoints import Checkpoints, NonFiniteStateError
-from train.errors import UsageError
-from train.metrics import MetricWriter, read_metrics
 
 
 @pytest.fixture(autouse=True)

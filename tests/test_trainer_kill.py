@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from configs import lm_smoke
+from neurips26_jax.configs import lm_smoke
+from neurips26_jax.train import lm_task, trainer
+from neurips26_jax.train.metrics import read_metrics
 from tests.binaries import REPO
 from tests.test_trainer_crash import tensorboard_events, tensorboard_scalars
-from train import lm_task, trainer
-from train.metrics import read_metrics
 
 STEPS = 30
 OVERRIDES = {"steps": STEPS, "checkpoint_every": 10, "eval_every": 10, "eval_batches": 1,
@@ -27,7 +27,8 @@ OVERRIDES = {"steps": STEPS, "checkpoint_every": 10, "eval_every": 10, "eval_bat
 
 
 def command(workdir, *, slow: bool):
-  module = ["-m", "tests.slow_binary", "train.train_lm"] if slow else ["-m", "train.train_lm"]
+  binary = "neurips26_jax.train.train_lm"
+  module = ["-m", "tests.slow_binary", binary] if slow else ["-m", binary]
   return [sys.executable, *module, "--config=configs/lm_smoke.py", f"--workdir={workdir}",
           "--config.model.ffn_options={'d_ff': 32}",
           *(f"--config.{k}={v}" for k, v in OVERRIDES.items())]

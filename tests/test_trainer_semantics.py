@@ -20,9 +20,9 @@ import optax
 import pytest
 from flax import nnx
 
-from configs import lm_smoke
-from train import lm_task, losses, optim, seg3d_task, trainer
-from train.metrics import read_metrics
+from neurips26_jax.configs import lm_smoke
+from neurips26_jax.train import lm_task, losses, optim, seg3d_task, trainer
+from neurips26_jax.train.metrics import read_metrics
 
 OPTIM = dict(lr=0.05, warmup_steps=2, min_lr_ratio=0.2, weight_decay=0.3, b1=0.8, b2=0.9,
              clip_norm=1.0)
@@ -141,7 +141,7 @@ def test_scales_are_never_decayed_whatever_their_rank():
   """With zero gradients AdamW's update is the decay alone: it must be 0 for every norm gain
   (the LM's RMSNorm scales [d] and FlashFFN's per-head gain [H, d_h]) and for vectors, and
   -lr * wd * w for weight matrices (the FlashFFN tables, W_in, the embedding)."""
-  from models.lm import LanguageModel  # noqa: PLC0415
+  from neurips26_jax.models.lm import LanguageModel  # noqa: PLC0415
   model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=8, ffn="flashffn",
                         ffn_options={"num_heads": 2}, rngs=nnx.Rngs(0))
   params = nnx.state(model, nnx.Param)

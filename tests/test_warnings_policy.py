@@ -14,9 +14,11 @@ def _warn(message: str, module: str) -> None:
   warnings.warn_explicit(message, DeprecationWarning, f"{module}.py", 1, module=module)
 
 
-@pytest.mark.parametrize("module", ["jaxops.frac", "pallas_kernels.flash_ffn.triton",
-                                    "models", "train.trainer", "experiments.common",
-                                    "configs.lm_default", "benchmarks.aot.worker",
+@pytest.mark.parametrize("module", ["neurips26_jax.jaxops.frac",
+                                    "neurips26_jax.pallas_kernels.flash_ffn.triton",
+                                    "neurips26_jax.models", "neurips26_jax.train.trainer",
+                                    "neurips26_jax.configs.lm_default", "neurips26_jax",
+                                    "experiments.common", "benchmarks.aot.worker",
                                     "tests.kernel_checks", "jax._src.pallas.pallas_call"])
 def test_deprecation_from_our_code_or_jax_fails(module):
   with pytest.raises(DeprecationWarning, match="old API"):
@@ -27,7 +29,8 @@ def test_triton_backend_deprecation_is_the_one_exception():
   _warn(TRITON, "jax._src.pallas.pallas_call")
 
 
-@pytest.mark.parametrize("module", ["flax.nnx.module", "importlib._bootstrap", "modelsx"])
+@pytest.mark.parametrize("module", ["flax.nnx.module", "importlib._bootstrap", "models",
+                                    "neurips26_jaxx"])
 def test_other_modules_deprecations_do_not_fail(module):
   with warnings.catch_warnings(record=True):
     _warn("old API", module)

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxops import packing
-from models.impl import BODY_CALLS
-from pallas_kernels import flash_ffn, frac_scan, pack3d_attention
+from neurips26_jax.jaxops import packing
+from neurips26_jax.models.impl import BODY_CALLS
+from neurips26_jax.pallas_kernels import flash_ffn, frac_scan, pack3d_attention
 from tests import kernel_checks
 from tools.readme_section import replace_section
 

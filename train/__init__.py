@@ -5,8 +5,8 @@ run's workdir to its model:
   train.evaluate(model, config)                   # {"eval_loss": ...}, as the trainer logs it
 """
 
-_EXPORTS = {"load_model": "train.inference", "load_config": "train.inference",
-            "evaluate": "train.inference"}
+_EXPORTS = {name: "neurips26_jax.train.inference"
+            for name in ("load_model", "load_config", "evaluate")}
 
 
 def __getattr__(name):

@@ -12,6 +12,7 @@ half-written checkpoint under a step's name. Added here:
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import jax
@@ -20,7 +21,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from orbax.checkpoint import checkpoint_managers as policies
 
-from train.errors import TrainingError, UsageError
+from neurips26_jax.train.errors import TrainingError, UsageError
 
 
 class NonFiniteStateError(TrainingError):
@@ -73,7 +74,7 @@ class Checkpoints:
                last: int = 1, read_only: bool = False):
     """Saves every `every` steps and at step `last`, keeping the newest `keep`; with
     `read_only`, only reads (the policies are unused, nothing is written or moved)."""
-    self.directory = pathlib.Path(directory).absolute()
+    self.directory = pathlib.Path(os.path.abspath(directory))
     self.read_only = read_only
     if read_only:           # no policy acts before a save, and this one never saves
       options = ocp.CheckpointManagerOptions(create=False)
@@ -148,7 +149,8 @@ class Checkpoints:
     steps = sorted(self.manager.all_steps(), reverse=True)
     if step is not None and step not in steps:
       raise UsageError(f"no checkpoint at step {step} in {self.directory}; the steps saved "
-                       f"are {sorted(steps) or 'none'}")
+                       f"are {sorted(steps) or 'none'} (a run keeps only its newest "
+                       "config.keep_checkpoints checkpoints)")
     for candidate in [step] if step is not None else steps:
       try:
         metadata = self.manager.item_metadata(candidate)

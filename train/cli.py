@@ -34,12 +34,14 @@ import jax
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
-from train import distributed, errors, inference, trainer
+from neurips26_jax import configs
+from neurips26_jax.train import distributed, errors, inference, trainer
 
 MODES = ("train", "eval", "sample", "config")
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config (configs/*.py); override any field with "
+    "config", None, "Experiment config: a packaged config's name (lm_default, lm_smoke, "
+    "lm_paper:370m, seg3d_cells, ...) or a config file of your own; override any field with "
     "--config.<field>=<value> (--mode=config lists them). Required to train; in eval and "
     "sample modes only needed for overrides.", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
@@ -69,10 +71,45 @@ def _fail(message: str, status: int = 2):
   sys.exit(status)
 
 
+def _config_spec(argv: list[str]) -> str:
+  """--config's value as given ("" without one)."""
+  return next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+
+
+def _load(spec: str) -> ConfigDict:
+  """A config file's get_config(), with the argument after ":" if the spec has one."""
+  path, _, arg = spec.partition(":")
+  get_config = runpy.run_path(path)["get_config"]
+  return get_config(arg) if arg else get_config()
+
+
+def _with_packaged_configs(argv: list[str]) -> list[str]:
+  """--config=NAME[:arg] naming a packaged config -> its file. UsageError for a file that is
+  not there or a config that does not load (before ml_collections, which would raise from
+  inside flag parsing)."""
+  given = _config_spec(argv)
+  argv = [a if not a.startswith("--config=") else "--config=" + configs.resolve(a[9:])
+          for a in argv]
+  spec = _config_spec(argv)
+  if not spec:
+    return argv
+  if not os.path.isfile(spec.partition(":")[0]):
+    raise errors.UsageError(
+        f"--config={given.partition(':')[0]}: no such config file; a packaged config is named "
+        f"without a path or .py (--config=lm_default), one of {', '.join(configs.names())}")
+  try:
+    _load(spec)
+  except Exception as e:  # noqa: BLE001  (the user's file: any error in it is bad input)
+    last = (str(e).strip().splitlines() or [""])[-1]
+    raise errors.UsageError(f"--config={given}: loading it raised {type(e).__name__}: "
+                            f"{last}") from None
+  return argv
+
+
 def _unknown_field(argv: list[str]) -> str:
   """Which --config.<path>=... override names no field of the config file, in words."""
-  config_file = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
-  config = runpy.run_path(config_file)["get_config"]()
+  config_file = _config_spec(argv)
+  config = _load(config_file)
   for override in re.findall(r"^--config\.([^=]+)", "\n".join(argv), re.M):
     node, parts = config, override.split(".")
     for i, key in enumerate(parts):
@@ -85,24 +122,24 @@ def _unknown_field(argv: list[str]) -> str:
   return ""
 
 
-def _config_file_error(error: OSError) -> str:
+def _config_file_error(error: OSError, spec: str) -> str:
   """ml_collections' multi-line load error -> `--config=FILE: <its last line>`."""
   lines = [l.strip() for l in str(error).splitlines() if l.strip()]
-  return f"--config={flags.FLAGS['config'].config_filename}: cannot load it ({lines[-1]})"
+  return f"--config={spec}: cannot load it ({lines[-1]})"
 
 
 def _unknown_flag(error: flags.UnrecognizedFlagError, argv: list[str]) -> str:
   """absl's unknown-flag error, with where the flag's name is a config field: --config.<name>."""
   name, given = error.flagname, str(error.flagvalue or f"--{error.flagname}")
   value = given.split("=", 1)[1] if "=" in given else "..."
-  config_file = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+  config_file = _config_spec(argv)
   if name.startswith("config.") and not config_file:
-    return (f"{given} overrides a field of a config file, but no --config=FILE was given: "
-            "add the experiment's file (e.g. --config=configs/lm_default.py; in eval and "
+    return (f"{given} overrides a field of a config, but no --config was given: "
+            "add the experiment's config (e.g. --config=lm_default; in eval and "
             "sample modes the one the run was trained with, whose saved fields the "
             "overrides then replace)")
   try:
-    config = runpy.run_path(config_file)["get_config"]() if config_file else None
+    config = _load(config_file) if config_file else None
   except Exception:  # noqa: BLE001  (the hint is optional; the error stands without it)
     config = None
   node = config
@@ -118,7 +155,10 @@ def _unknown_flag(error: flags.UnrecognizedFlagError, argv: list[str]) -> str:
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing with one-line errors instead of usage dumps and chained tracebacks."""
   try:
+    argv = _with_packaged_configs(argv)
     return flags.FLAGS(argv)
+  except errors.UsageError as e:
+    _fail(str(e))
   except flags.UnrecognizedFlagError as e:
     _fail(_unknown_flag(e, argv))
   except flags.Error as e:
@@ -126,7 +166,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
   except (AttributeError, KeyError) as e:      # ml_collections: an override of a missing field
     _fail(_unknown_field(argv) or f"bad --config override: {e}")
   except OSError as e:                          # ml_collections: the config file cannot be read
-    _fail(_config_file_error(e))
+    _fail(_config_file_error(e, _config_spec(argv)))
 
 
 def check_flags(argv: list[str]) -> None:
@@ -188,7 +228,7 @@ def _file_config():
       config.keys()                         # a config file that failed to load raises here
     return config
   except OSError as e:
-    raise errors.UsageError(_config_file_error(e)) from None
+    raise errors.UsageError(_config_file_error(e, flags.FLAGS["config"].config_filename)) from None
 
 
 def run_config(config) -> ConfigDict:
@@ -240,8 +280,8 @@ def run(train_and_evaluate: Callable, *, sample: Callable | None = None) -> None
       config = _file_config()
       check_flags(argv)
       if mode in ("train", "config") and config is None:
-        raise errors.UsageError(f"--config=FILE is required with --mode={mode}: the experiment "
-                                "config, e.g. configs/lm_smoke.py")
+        raise errors.UsageError(f"--config is required with --mode={mode}: the experiment's "
+                                "config, e.g. --config=lm_smoke (or a file of your own)")
       if mode == "config":
         print(f"# {flags.FLAGS['config'].config_filename}, with this command's overrides; set "
               "any field with the flag as shown")

@@ -34,7 +34,7 @@ import time
 
 import jax
 
-from train.errors import StartupError
+from neurips26_jax.train.errors import StartupError
 
 _GRACE_S = 5.0       # how much longer than timeout_s a process waits for process 0's answer
 

@@ -24,9 +24,9 @@ import jax
 from flax import nnx
 from ml_collections import ConfigDict
 
-from train import checkpoints as checkpoints_lib
-from train import sharding, trainer
-from train.errors import UsageError
+from neurips26_jax.train import checkpoints as checkpoints_lib
+from neurips26_jax.train import sharding, trainer
+from neurips26_jax.train.errors import UsageError
 
 SINGLE_DEVICE = {"data": 1, "fsdp": 1, "tensor": 1}
 
@@ -57,7 +57,8 @@ def load_config(workdir: str | pathlib.Path) -> ConfigDict:
 
 def task_module(config) -> types.ModuleType:
   """train.lm_task or train.seg3d_task, whichever trains the model config.model describes."""
-  from train import lm_task, seg3d_task  # noqa: PLC0415  (they import this module's callers)
+  # they import this module's callers
+  from neurips26_jax.train import lm_task, seg3d_task  # noqa: PLC0415
   if "vocab_size" in config.model:
     return lm_task
   if "kind" in config.model:

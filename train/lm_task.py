@@ -15,19 +15,20 @@ config.model.impl "auto" picks "pallas" where the backend compiles the kernels, 
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxops import checks
-from models.lm import LanguageModel
-from models.unet3d import param_count
-from train import sharding, trainer
-from train.data import synthetic, text
-from train.errors import UsageError
-from train.losses import chunked_cross_entropy
+from neurips26_jax.jaxops import checks
+from neurips26_jax.models.lm import LanguageModel
+from neurips26_jax.models.unet3d import param_count
+from neurips26_jax.train import sharding, trainer
+from neurips26_jax.train.data import synthetic, text
+from neurips26_jax.train.errors import UsageError
+from neurips26_jax.train.losses import chunked_cross_entropy
 
 
 def make_model(config) -> LanguageModel:
@@ -156,6 +157,8 @@ def train_and_evaluate(config, workdir: str) -> trainer.FitResult:
   what fit printed, the saved step and how to resume; for a run already complete, only that)."""
   trainer.check_config(config)
   check_sample_config(config)
+  if config.data.get("path"):     # config.json then names the corpus from any directory
+    config.data.path = os.path.abspath(config.data.path)
   result = trainer.fit(config, workdir, build_task(config))
   if result.stopped or result.already_complete:
     return result

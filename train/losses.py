@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxops.tiling import seq_chunks
+from neurips26_jax.jaxops.tiling import seq_chunks
 
 # Logit elements per batch row that `chunked_cross_entropy` computes at once by default:
 # 2^25 float32 = 128 MiB (1,024 positions of a 32k vocabulary; a 256-byte vocabulary's whole

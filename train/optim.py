@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from flax.core import meta
 
-from train.errors import UsageError
+from neurips26_jax.train.errors import UsageError
 
 
 def schedule(optim_config, steps: int) -> optax.Schedule:

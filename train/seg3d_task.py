@@ -20,14 +20,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxops import checks
-from jaxops.pack3d_layout import MAX_FIELDS
-from models.seg3d import Pack3DSegmenter
-from models.unet3d import UNet3D, param_count, unet3d_matching
-from train import sharding, trainer
-from train.data import volumes
-from train.errors import UsageError
-from train.losses import masked_cross_entropy
+from neurips26_jax.jaxops import checks
+from neurips26_jax.jaxops.pack3d_layout import MAX_FIELDS
+from neurips26_jax.models.seg3d import Pack3DSegmenter
+from neurips26_jax.models.unet3d import UNet3D, param_count, unet3d_matching
+from neurips26_jax.train import sharding, trainer
+from neurips26_jax.train.data import volumes
+from neurips26_jax.train.errors import UsageError
+from neurips26_jax.train.losses import masked_cross_entropy
 
 KINDS = ("pack3d", "unet3d")
 

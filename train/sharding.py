@@ -28,8 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 from flax import nnx
 
-from models.partitioning import BATCH_AXES, MESH_AXES, RULES, logical_axes, spec_for  # noqa: F401
-from train.errors import UsageError
+from neurips26_jax.models.partitioning import (  # noqa: F401
+    BATCH_AXES, MESH_AXES, RULES, logical_axes, spec_for)
+from neurips26_jax.train.errors import UsageError
 
 
 def mesh_shape(mesh_config, num_devices: int) -> tuple[int, ...]:

@@ -50,10 +50,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from train import metrics as metrics_lib
-from train import optim, sharding
-from train.checkpoints import Checkpoints, DifferentModelError
-from train.errors import TrainingError, UsageError
+from neurips26_jax.train import metrics as metrics_lib
+from neurips26_jax.train import optim, sharding
+from neurips26_jax.train.checkpoints import Checkpoints, DifferentModelError
+from neurips26_jax.train.errors import TrainingError, UsageError
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -168,13 +168,13 @@ def build(case: Case, kind: str):
     blocks["interpret"] = False
   s = SHAPES[case.op][case.shape]
   if case.op == "flash_ffn":
-    from pallas_kernels.flash_ffn import mhffn
+    from neurips26_jax.pallas_kernels.flash_ffn import mhffn
     table = (s["h"], s["e"], s["f"], s["d"])
     specs = [((s["b"], s["l"], s["h"], s["d"]), dtype), ((s["b"], s["l"], s["h"], s["e"]), dtype),
              (table, dtype), (table, dtype), (table, dtype)]
     op, num_diff = (lambda *a: mhffn(*a, **blocks)), 5
   elif case.op == "flash_ffn_routed":
-    from pallas_kernels.flash_ffn import mhffn_routed
+    from neurips26_jax.pallas_kernels.flash_ffn import mhffn_routed
     table = (s["h"], s["e"], s["f"], s["d"])
     # As the layer calls it: the float32 tables and the norm gain as stored.
     specs = [((s["b"], s["l"], s["h"], s["d"]), dtype), ((s["h"], s["d"], s["e"]), jnp.float32),
@@ -183,7 +183,7 @@ def build(case: Case, kind: str):
     op, num_diff = (lambda q, w_r, k, u, v, g: mhffn_routed(q, w_r, k, u, v, gain=g,
                                                             **blocks)), 6
   elif case.op == "pack3d":
-    from pallas_kernels.pack3d_attention import pack3d_attention
+    from neurips26_jax.pallas_kernels.pack3d_attention import pack3d_attention
     n = math.prod(s["grid"])
     x = ((s["b"], n, s["h"], s["d"]), dtype)
     levels = s.get("levels", 1)
@@ -201,7 +201,7 @@ def build(case: Case, kind: str):
       return pack3d_attention(q, k, v, *args[num_diff:], max_cubes=cubes,
                               far_offset=beta[0] if beta else None, **blocks)
   else:
-    from pallas_kernels.frac_scan import frac_scan
+    from neurips26_jax.pallas_kernels.frac_scan import frac_scan
     tok = (s["b"], s["l"], s["h"])
     specs = [(tok + (s["p"],), dtype), (tok, jnp.float32), (tok + (s["n"],), dtype),
              (tok + (s["n"],), dtype), ((s["h"], s["m"]), jnp.float32),

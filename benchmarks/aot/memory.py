@@ -37,8 +37,8 @@ def main(argv=None):
 
   from benchmarks.aot.targets import temp_bytes_on
   from benchmarks.flash_ffn_memory import fwd_bwd
-  from models import FlashFFN, SwiGLU
-  from pallas_kernels.flash_ffn import mhffn
+  from neurips26_jax.models import FlashFFN, SwiGLU
+  from neurips26_jax.pallas_kernels.flash_ffn import mhffn
 
   spec, temp = temp_bytes_on(target)
 

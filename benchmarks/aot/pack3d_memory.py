@@ -39,7 +39,7 @@ def main(argv=None):
   from flax import nnx
 
   from benchmarks.aot.targets import temp_bytes_on
-  from models import Pack3DAttention
+  from neurips26_jax.models import Pack3DAttention
 
   spec, temp = temp_bytes_on(target)
   dtype = jnp.dtype(args.dtype)

@@ -83,9 +83,9 @@ def _flash_ffn(impl: str, dtype, overrides: dict):
            ((s["b"], s["l"], s["h"], s["e"]), jnp.float32), table, table, table]
   flops = 2 * 3 * s["b"] * s["l"] * s["h"] * s["d"] * s["e"] * s["f"]
   if impl == "kernel":
-    from pallas_kernels.flash_ffn import mhffn
+    from neurips26_jax.pallas_kernels.flash_ffn import mhffn
     return (lambda *a: mhffn(*a, interpret=False, backend="mosaic", **overrides)), specs, flops
-  from jaxops.flash_ffn import mhffn
+  from neurips26_jax.jaxops.flash_ffn import mhffn
   return (lambda *a: mhffn(*a, chunk=512)), specs, flops
 
 
@@ -95,7 +95,7 @@ def _flash_ffn_kernel_only(which: str, dtype, overrides: dict):
   profiler takes ~10x longer to compile; its fwd+bwd ran past 16 GB)."""
   import jax
   import jax.numpy as jnp
-  from pallas_kernels.flash_ffn import BlockSizes, mosaic, tiles
+  from neurips26_jax.pallas_kernels.flash_ffn import BlockSizes, mosaic, tiles
   # "wide_": half the heads at twice the width, the same FLOPs (d_h = 256 fills a v6e MXU's
   # depth where 128 fills half of it).
   # "lm370frac_": the tables of configs/lm_paper.py:370m with the FRAC mixer (E = 9, d_e = 264,
@@ -130,7 +130,7 @@ def _flash_ffn_kernel_only(which: str, dtype, overrides: dict):
 
 
 def _swiglu(dtype):
-  from jaxops.flash_ffn import swiglu
+  from neurips26_jax.jaxops.flash_ffn import swiglu
   d, f, tokens = SWIGLU["d"], SWIGLU["d_ff"], FFN["b"] * FFN["l"]
   specs = [((tokens, d), dtype), ((d, f), dtype), ((d, f), dtype), ((f, d), dtype)]
   return swiglu, specs, 2 * 3 * tokens * d * f
@@ -144,8 +144,8 @@ def _frac(impl: str, dtype, overrides: dict):
   specs = [(tok + (s["p"],), dtype), (tok, jnp.float32), (tok + (s["n"],), dtype),
            (tok + (s["n"],), dtype), ((s["h"], s["m"]), jnp.float32),
            ((s["h"], s["m"]), jnp.float32)]
-  from pallas_kernels.dispatch import current_chip
-  from pallas_kernels.frac_scan.blocks import TPU_CHUNK
+  from neurips26_jax.pallas_kernels.dispatch import current_chip
+  from neurips26_jax.pallas_kernels.frac_scan.blocks import TPU_CHUNK
   # Both paths at the kernel's default chunk on this chip (the same math, like for like).
   chunk = overrides.pop("chunk", TPU_CHUNK.get(current_chip(), TPU_CHUNK[None]))
   # Per chunk of c tokens and mode: the intra-chunk [c, c] scores (C B^T, masked) and their
@@ -153,11 +153,11 @@ def _frac(impl: str, dtype, overrides: dict):
   flops = 2 * s["b"] * s["l"] * s["h"] * s["m"] * (chunk * s["n"] + chunk * s["p"]
                                                   + 2 * s["n"] * s["p"])
   if impl == "kernel":
-    from pallas_kernels.frac_scan import frac_scan
+    from neurips26_jax.pallas_kernels.frac_scan import frac_scan
     fn = lambda *a: frac_scan(*a, interpret=False, backend="mosaic", chunk=chunk,
                               **overrides)[0]
   else:
-    from jaxops import frac
+    from neurips26_jax.jaxops import frac
     fn = lambda *a: frac.frac_scan(*a, chunk=chunk)[0]
   return fn, specs, flops
 
@@ -183,10 +183,10 @@ def _pack3d(impl: str, dtype, overrides: dict):
       return jnp.einsum("bhqk,bkhd->bqhd", p, v)
     return fn, specs, flops
   if impl == "kernel":
-    from pallas_kernels.pack3d_attention import pack3d_attention
+    from neurips26_jax.pallas_kernels.pack3d_attention import pack3d_attention
     return (lambda q, k, v, c, f: pack3d_attention(q, k, v, c, f, max_cubes=cubes,
                                                    interpret=False, **overrides)), specs, flops
-  from jaxops import pack3d
+  from neurips26_jax.jaxops import pack3d
   return (lambda q, k, v, c, f: pack3d.pack3d_attention(q, k, v, c, f, max_cubes=cubes)), \
       specs, flops
 
@@ -195,7 +195,7 @@ def _pack3d_kernels(dtype, overrides: dict):
   """Pack3D's Mosaic kernels alone (`attend`), on operands in their slot layout: the op's
   layout stage (sorts and gathers in XLA) aborts libtpu's profiler, the kernels do not."""
   import jax
-  from pallas_kernels import pack3d_attention as kernels
+  from neurips26_jax.pallas_kernels import pack3d_attention as kernels
   _, specs, flops = _pack3d("kernel", dtype, overrides)
   static = {}
 
@@ -218,7 +218,7 @@ def _layer(name: str, dtype):
   """(fn(params, x), [param specs..., x], model FLOPs) for an NNX layer at LAYER's shape."""
   import jax
   from flax import nnx
-  import models
+  from neurips26_jax import models
   s = LAYER
   rngs = nnx.Rngs(0)
   layer = {"flash_ffn": lambda: models.FlashFFN(s["d"], impl="pallas", interpret=False,
@@ -275,9 +275,9 @@ def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
   from flax import nnx
 
   from benchmarks.aot.scale import load_config
-  from models import LanguageModel
-  from train import losses
-  from train.losses import chunked_cross_entropy
+  from neurips26_jax.models import LanguageModel
+  from neurips26_jax.train import losses
+  from neurips26_jax.train.losses import chunked_cross_entropy
   kwargs = dict(load_config(spec["config"]).model.to_dict(), num_layers=1, impl="pallas")
   kwargs.update({k: spec[k] for k in ("mixer", "ffn", "context", "remat") if spec.get(k)})
   jax.scipy.special.gammaln = _stirling_gammaln
@@ -313,7 +313,7 @@ def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
     return _frac_forward_part(part, module, apply, specs, k, b * l)
 
   if part == "block":
-    from models.lm import block_call
+    from neurips26_jax.models.lm import block_call
     block = lambda *a: block_call(model.remat, apply(a), a[k])
     weights = sum(math.prod(shape) for shape, _ in specs[:k])
     return _with_grad(block, specs, k + 1, 2 * b * l * weights, "", "fwd+bwd")
@@ -360,7 +360,7 @@ def _attention_core(mixer, dtype, batch: int, length: int, heads: int | None) ->
   at the layer's query chunk): the part of the half's forward that remat="mixer" keeps
   (`step_estimate`). heads: profile that many of the layer's heads (the work is linear in
   heads; the query chunk stays the layer's). FLOPs: the causal half of q k^T and P v."""
-  from models.attention import causal_heads, default_query_chunk
+  from neurips26_jax.models.attention import causal_heads, default_query_chunk
   d = mixer.wq.shape[-1]
   chunk = mixer.query_chunk or default_query_chunk(mixer.num_heads, length)
   spec = ((batch, length, heads or mixer.num_heads, d), dtype)
@@ -384,7 +384,7 @@ def _frac_forward_part(part: str, block, apply, specs, k: int, tokens: int) -> P
   import jax
   from flax import nnx
 
-  from models import frac
+  from neurips26_jax.models import frac
   weights = lambda module: sum(math.prod(p.shape) for p in
                                jax.tree.leaves(nnx.state(module, nnx.Param)))
 

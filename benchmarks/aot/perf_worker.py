@@ -38,7 +38,7 @@ def main(argv=None):
 
   from benchmarks.aot import perf_programs, static_profile
   from benchmarks.aot.targets import device_mesh
-  from pallas_kernels.dispatch import target_chip
+  from neurips26_jax.pallas_kernels.dispatch import target_chip
 
   mesh = device_mesh(target)
   # The kernels' tiles and VMEM budget are the target's, and so is what a program's own

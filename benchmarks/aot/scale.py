@@ -87,11 +87,11 @@ def main(argv=None):
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from models import LanguageModel
-  from models.partitioning import BATCH_AXES, MESH_AXES
-  from pallas_kernels.dispatch import target_chip
-  from train import optim, sharding
-  from train.lm_task import lm_loss
+  from neurips26_jax.models import LanguageModel
+  from neurips26_jax.models.partitioning import BATCH_AXES, MESH_AXES
+  from neurips26_jax.pallas_kernels.dispatch import target_chip
+  from neurips26_jax.train import optim, sharding
+  from neurips26_jax.train.lm_task import lm_loss
 
   topo = topologies.get_topology_desc(topology_name=args.topology, platform="tpu")
   chips = len(topo.devices)

@@ -66,7 +66,7 @@ def _model_facts(config: str, *overrides) -> dict:
   from flax import nnx
 
   from benchmarks.aot.scale import load_config
-  from models import LanguageModel
+  from neurips26_jax.models import LanguageModel
   kwargs = dict(load_config(config).model.to_dict())
   kwargs.update({k: v for k, v in zip(("mixer", "ffn", "context", "remat"), overrides) if v})
   model = nnx.eval_shape(lambda: LanguageModel(**kwargs, rngs=nnx.Rngs(0)))

@@ -93,7 +93,7 @@ def temp_bytes_on(target: Target):
   import jax
   from jax.sharding import NamedSharding, PartitionSpec
 
-  from pallas_kernels.dispatch import target_chip
+  from neurips26_jax.pallas_kernels.dispatch import target_chip
 
   mesh = device_mesh(target)
   sharding = NamedSharding(mesh, PartitionSpec())

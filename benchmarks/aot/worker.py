@@ -78,7 +78,7 @@ def compile_case(target, mesh, case: cases_lib.Case) -> dict:
   result = {"case": case.name, "target": target.name, "expect_failure": case.expect_failure}
   fn, specs = cases_lib.build(case, target.kind)
   try:  # tiles tuned for this chip (pallas_kernels.dispatch reads jax.devices() otherwise)
-    from pallas_kernels.dispatch import target_chip
+    from neurips26_jax.pallas_kernels.dispatch import target_chip
     chip = target_chip(target.name)
   except ImportError:  # a tree from before the tuned tables
     chip = contextlib.nullcontext()

@@ -28,13 +28,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxops import checks
-from jaxops.flash_ffn import check_mhffn_inputs, fold_gain, fold_router_gain, route_heads
-from jaxops.tiling import round_up
-from pallas_kernels.dispatch import Backend, KernelConfig, dispatch
-from pallas_kernels.flash_ffn import mosaic, mosaic_gpu, triton
-from pallas_kernels.flash_ffn.blocks import TUNED, BlockSizes
-from pallas_kernels.flash_ffn.tiles import MAX_D_H, TilePlan, mosaic_gpu_generations
+from neurips26_jax.jaxops import checks
+from neurips26_jax.jaxops.flash_ffn import (check_mhffn_inputs, fold_gain, fold_router_gain,
+                                            route_heads)
+from neurips26_jax.jaxops.tiling import round_up
+from neurips26_jax.pallas_kernels.dispatch import Backend, KernelConfig, dispatch
+from neurips26_jax.pallas_kernels.flash_ffn import mosaic, mosaic_gpu, triton
+from neurips26_jax.pallas_kernels.flash_ffn.blocks import TUNED, BlockSizes
+from neurips26_jax.pallas_kernels.flash_ffn.tiles import MAX_D_H, TilePlan, mosaic_gpu_generations
 
 __all__ = ["BlockSizes", "TUNED", "mhffn", "mhffn_routed"]
 

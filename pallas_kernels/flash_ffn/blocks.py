@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.dispatch import Backend, current_chip, tuned
+from neurips26_jax.pallas_kernels.dispatch import Backend, current_chip, tuned
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,11 +45,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxops.flash_ffn import NORM_EPS
-from jaxops.tiling import dot, dot_nt, dot_tn, round_up
-from pallas_kernels.flash_ffn.blocks import mosaic_vmem_limit
-from pallas_kernels.flash_ffn.tiles import (TilePlan, activation_grads, tanh_sigmoid,
-                                             weighted_activation)
+from neurips26_jax.jaxops.flash_ffn import NORM_EPS
+from neurips26_jax.jaxops.tiling import dot, dot_nt, dot_tn, round_up
+from neurips26_jax.pallas_kernels.flash_ffn.blocks import mosaic_vmem_limit
+from neurips26_jax.pallas_kernels.flash_ffn.tiles import (TilePlan, activation_grads, tanh_sigmoid,
+                                                          weighted_activation)
 
 _F32 = jnp.float32
 # d_e tiles of one expert unrolled up to this many; longer loops keep one body.

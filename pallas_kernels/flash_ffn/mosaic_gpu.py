@@ -40,13 +40,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxops.tiling import round_up
-from pallas_kernels.dispatch import mosaic_gpu_module
-from pallas_kernels.flash_ffn import mosaic_gpu_ws
-from pallas_kernels.flash_ffn.tiles import TilePlan, activation_grads, weighted_activation
-from pallas_kernels.mosaic_gpu_common import (accumulators, blackwell, compiler_params,
-                                              interpret_params, mma, mma_wait, products, read,
-                                              smem_transforms, store_operands)
+from neurips26_jax.jaxops.tiling import round_up
+from neurips26_jax.pallas_kernels.dispatch import mosaic_gpu_module
+from neurips26_jax.pallas_kernels.flash_ffn import mosaic_gpu_ws
+from neurips26_jax.pallas_kernels.flash_ffn.tiles import (TilePlan, activation_grads,
+                                                          weighted_activation)
+from neurips26_jax.pallas_kernels.mosaic_gpu_common import (accumulators, blackwell,
+                                                            compiler_params, interpret_params, mma,
+                                                            mma_wait, products, read,
+                                                            smem_transforms, store_operands)
 
 _F32 = jnp.float32
 

@@ -51,10 +51,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.dispatch import mosaic_gpu_module
-from pallas_kernels.flash_ffn.tiles import (TilePlan, activation_grads, tanh_sigmoid,
-                                            weighted_activation)
-from pallas_kernels.mosaic_gpu_common import interpret_params, smem_transforms, store_operands
+from neurips26_jax.pallas_kernels.dispatch import mosaic_gpu_module
+from neurips26_jax.pallas_kernels.flash_ffn.tiles import (TilePlan, activation_grads, tanh_sigmoid,
+                                                          weighted_activation)
+from neurips26_jax.pallas_kernels.mosaic_gpu_common import (interpret_params, smem_transforms,
+                                                            store_operands)
 
 _F32 = jnp.float32
 CONSUMERS = 2                       # compute warpgroups (the schedule barrier pairs two)

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxops.tiling import dot, dot_nt, dot_tn, next_pow2, round_up
-from pallas_kernels.dispatch import BLACKWELL, HOPPER, Backend
-from pallas_kernels.flash_ffn.blocks import BlockSizes, mosaic_vmem_limit
-from pallas_kernels.mosaic_gpu_common import blackwell
+from neurips26_jax.jaxops.tiling import dot, dot_nt, dot_tn, next_pow2, round_up
+from neurips26_jax.pallas_kernels.dispatch import BLACKWELL, HOPPER, Backend
+from neurips26_jax.pallas_kernels.flash_ffn.blocks import BlockSizes, mosaic_vmem_limit
+from neurips26_jax.pallas_kernels.mosaic_gpu_common import blackwell
 
 _F32 = jnp.float32
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.flash_ffn.tiles import TilePlan
+from neurips26_jax.pallas_kernels.flash_ffn.tiles import TilePlan
 
 _F32 = jnp.float32
 

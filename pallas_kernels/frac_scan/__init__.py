@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import functools
 
-from jaxops.frac import check_scan_inputs, scan_vjp, zero_state
-from jaxops.frac_chunk import TilePlan
-from pallas_kernels.dispatch import (Backend, KernelConfig, current_chip, dispatch, gpu_backend,
-                                     target_platform)
-from pallas_kernels.frac_scan import mosaic, mosaic_gpu, triton
-from pallas_kernels.frac_scan.blocks import MODE_ALIGN, TPU_CHUNK, TUNED, BlockSizes
+from neurips26_jax.jaxops.frac import check_scan_inputs, scan_vjp, zero_state
+from neurips26_jax.jaxops.frac_chunk import TilePlan
+from neurips26_jax.pallas_kernels.dispatch import (Backend, KernelConfig, current_chip, dispatch,
+                                                   gpu_backend, target_platform)
+from neurips26_jax.pallas_kernels.frac_scan import mosaic, mosaic_gpu, triton
+from neurips26_jax.pallas_kernels.frac_scan.blocks import MODE_ALIGN, TPU_CHUNK, TUNED, BlockSizes
 
 __all__ = ["BlockSizes", "TUNED", "frac_scan"]
 

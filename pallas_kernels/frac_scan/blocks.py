@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.dispatch import Backend, tuned
+from neurips26_jax.pallas_kernels.dispatch import Backend, tuned
 
 
 # Modes are padded to a multiple of this (capped at the largest power of two <= M), so

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxops.frac_chunk import Modes, TilePlan, chunk_backward_stacked, chunk_forward_stacked
+from neurips26_jax.jaxops.frac_chunk import (Modes, TilePlan, chunk_backward_stacked,
+                                             chunk_forward_stacked)
 
 _F32 = jnp.float32
 

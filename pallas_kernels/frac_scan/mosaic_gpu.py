@@ -45,12 +45,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxops import tiling
-from jaxops.frac_chunk import Modes, TilePlan
-from pallas_kernels.dispatch import mosaic_gpu_module
-from pallas_kernels.mosaic_gpu_common import (accumulators, interpret_params, mma, mma_wait,
-                                              product_sum, products, read, smem_transforms,
-                                              store_operands)
+from neurips26_jax.jaxops import tiling
+from neurips26_jax.jaxops.frac_chunk import Modes, TilePlan
+from neurips26_jax.pallas_kernels.dispatch import mosaic_gpu_module
+from neurips26_jax.pallas_kernels.mosaic_gpu_common import (accumulators, interpret_params, mma,
+                                                            mma_wait, product_sum, products, read,
+                                                            smem_transforms, store_operands)
 
 _F32 = jnp.float32
 CHUNK = 64     # tokens per chunk: WGMMA's M

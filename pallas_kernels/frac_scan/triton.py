@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxops.frac_chunk import Modes, TilePlan, chunk_backward, chunk_forward
+from neurips26_jax.jaxops.frac_chunk import Modes, TilePlan, chunk_backward, chunk_forward
 
 _F32 = jnp.float32
 

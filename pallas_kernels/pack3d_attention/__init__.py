@@ -43,14 +43,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxops import pack3d_levels as levels_lib
-from jaxops.pack3d import MASK, check_pack3d_inputs, cube_summaries
-from jaxops.pack3d_layout import cube_layout, group_rows, poison_overflow, ungroup_rows
-from jaxops.tiling import next_pow2
-from pallas_kernels.dispatch import Backend, KernelConfig, dispatch, traced_body
-from pallas_kernels.pack3d_attention import mosaic, mosaic_gpu, triton
-from pallas_kernels.pack3d_attention.blocks import TUNED, BlockSizes
-from pallas_kernels.pack3d_attention.tiles import Tables, TilePlan, lane_groups
+from neurips26_jax.jaxops import pack3d_levels as levels_lib
+from neurips26_jax.jaxops.pack3d import MASK, check_pack3d_inputs, cube_summaries
+from neurips26_jax.jaxops.pack3d_layout import (cube_layout, group_rows, poison_overflow,
+                                                ungroup_rows)
+from neurips26_jax.jaxops.tiling import next_pow2
+from neurips26_jax.pallas_kernels.dispatch import Backend, KernelConfig, dispatch, traced_body
+from neurips26_jax.pallas_kernels.pack3d_attention import mosaic, mosaic_gpu, triton
+from neurips26_jax.pallas_kernels.pack3d_attention.blocks import TUNED, BlockSizes
+from neurips26_jax.pallas_kernels.pack3d_attention.tiles import Tables, TilePlan, lane_groups
 
 __all__ = ["BlockSizes", "TUNED", "pack3d_attention"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.dispatch import Backend, tuned
+from neurips26_jax.pallas_kernels.dispatch import Backend, tuned
 
 
 @dataclasses.dataclass(frozen=True)

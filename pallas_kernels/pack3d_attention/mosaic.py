@@ -26,9 +26,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxops.tiling import round_up
-from pallas_kernels.pack3d_attention import tiles
-from pallas_kernels.pack3d_attention.tiles import Tables, TilePlan
+from neurips26_jax.jaxops.tiling import round_up
+from neurips26_jax.pallas_kernels.pack3d_attention import tiles
+from neurips26_jax.pallas_kernels.pack3d_attention.tiles import Tables, TilePlan
 
 _F32 = jnp.float32
 

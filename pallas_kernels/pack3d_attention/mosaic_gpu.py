@@ -41,12 +41,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxops.pack3d import MASK
-from pallas_kernels.dispatch import mosaic_gpu_module
-from pallas_kernels.mosaic_gpu_common import (compiler_params, interpret_params, products,
-                                              smem_transforms, store_operands)
-from pallas_kernels.pack3d_attention import tiles
-from pallas_kernels.pack3d_attention.tiles import Tables, TilePlan
+from neurips26_jax.jaxops.pack3d import MASK
+from neurips26_jax.pallas_kernels.dispatch import mosaic_gpu_module
+from neurips26_jax.pallas_kernels.mosaic_gpu_common import (compiler_params, interpret_params,
+                                                            products, smem_transforms,
+                                                            store_operands)
+from neurips26_jax.pallas_kernels.pack3d_attention import tiles
+from neurips26_jax.pallas_kernels.pack3d_attention.tiles import Tables, TilePlan
 
 _F32 = jnp.float32
 SLOTS = 64  # slots per cube this body serves: one warpgroup's WGMMA M

@@ -28,10 +28,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxops.pack3d import MASK
-from jaxops.tiling import dot, dot_nt, dot_tn, next_pow2, round_up
-from pallas_kernels.dispatch import Backend
-from pallas_kernels.pack3d_attention.blocks import BlockSizes
+from neurips26_jax.jaxops.pack3d import MASK
+from neurips26_jax.jaxops.tiling import dot, dot_nt, dot_tn, next_pow2, round_up
+from neurips26_jax.pallas_kernels.dispatch import Backend
+from neurips26_jax.pallas_kernels.pack3d_attention.blocks import BlockSizes
 
 _F32 = jnp.float32
 

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxops.tiling import next_pow2
-from pallas_kernels.pack3d_attention import tiles
-from pallas_kernels.pack3d_attention.tiles import Tables, TilePlan
+from neurips26_jax.jaxops.tiling import next_pow2
+from neurips26_jax.pallas_kernels.pack3d_attention import tiles
+from neurips26_jax.pallas_kernels.pack3d_attention.tiles import Tables, TilePlan
 
 _F32 = jnp.float32
 

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxops import packing
+from neurips26_jax.jaxops import packing
 
 NUM_CLASSES = 4
 _INTENSITY = np.array([0.05, 0.35, 0.7, 1.0], np.float32)
