@@ -14,6 +14,7 @@ under `checkify.checkify(f, errors=checkify.user_checks)`.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -55,6 +56,23 @@ def zyx(owner: str, name: str, value) -> None:
 def given(**values) -> dict:
   """The keyword arguments that are not None (optional sizes are checked only when set)."""
   return {name: value for name, value in values.items() if value is not None}
+
+
+def options(owner: str, name: str, given: Mapping[str, Any], constructor: Callable,
+            taken: Sequence[str] = ()) -> None:
+  """ValueError if the dict `given` (argument `name`: extra keyword arguments for
+  `constructor`) has a key the constructor does not take, or one `owner` sets itself."""
+  params = inspect.signature(constructor.__init__ if isinstance(constructor, type)
+                             else constructor).parameters
+  takes = {k for k, p in params.items()
+           if k != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  allowed = sorted(takes - set(taken) - {"rngs"})
+  if unknown := sorted(set(given) - takes):
+    raise ValueError(f"{owner}: `{name}` has {unknown}, not an argument of "
+                     f"{constructor.__name__}; its arguments are {allowed}")
+  if fixed := sorted(set(given) & (set(taken) | {"rngs"})):
+    raise ValueError(f"{owner}: `{name}` sets {fixed}, which {owner} sets itself; "
+                     f"{constructor.__name__}'s other arguments are {allowed}")
 
 
 def one_of(owner: str, name: str, value, allowed: Sequence) -> None:

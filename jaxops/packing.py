@@ -76,8 +76,11 @@ def unpatchify(grid, patch: Sequence[int]):
   return v.reshape(*batch, nz * pz, ny * py, nx * px, c)
 
 
-def pack_fields(grids):
+def pack_fields(grids: Sequence, *, width: int | None = None):
   """Packs token grids [*batch, Z_i, Y_i, X_i, d] (same batch and d) into one sequence.
+
+  width: the d the grids must have (a model's d_model), if given; a raw volume [Z, Y, X, C]
+    that was not patchified and embedded then fails here instead of making Z Y X tokens of C.
 
   Returns:
     tokens: [*batch, N, d], N = sum_i Z_i Y_i X_i, fields one after another, each in
@@ -95,6 +98,10 @@ def pack_fields(grids):
     if g.ndim < 4 or g.shape[:-4] + g.shape[-1:] != lead:
       raise ValueError(f"pack_fields: grid {i} has shape {g.shape}; expected [*batch, Z, Y, X, d]"
                        f" with batch and d {lead} like grid 0")
+  if width is not None and lead[-1] != width:
+    raise ValueError(f"pack_fields: grid 0 has shape {tuple(grids[0].shape)}, d = {lead[-1]} "
+                     f"features per token, but `width` is {width}: a raw volume [Z, Y, X, C] is "
+                     "patchified (packing.patchify) and embedded to the model width first")
   xp = np if all(isinstance(g, np.ndarray) for g in grids) else jnp
   tokens = xp.concatenate([g.reshape(*g.shape[:-4], -1, g.shape[-1]) for g in grids], axis=-2)
   coords = np.concatenate([grid_coords(g.shape[-4:-1]) for g in grids])

@@ -14,6 +14,7 @@ import math
 import jax
 from flax import nnx
 
+from neurips26_jax.jaxops import checks
 from neurips26_jax.models.flash_ffn import FlashFFN, SwiGLU, flashffn_shape
 from neurips26_jax.models.norm import RMSNorm
 from neurips26_jax.models.partitioning import constrain, shard_layer
@@ -27,10 +28,12 @@ def param_count(layer: nnx.Module) -> int:
 
 
 def make_ffn(kind: str, d_model: int, *, params: int | None = None, impl: str, interpret, dtype,
-             options: dict, rngs: nnx.Rngs) -> nnx.Module:
+             options: dict, rngs: nnx.Rngs, owner: str = "LanguageModel") -> nnx.Module:
   """The FFN `kind` (one of FFNS) of about `params` parameters (None: a SwiGLU of its default
   width's), unless `options` set its sizes: SwiGLU(d_model, **options) or
   FlashFFN(d_model, **options) (FlashFFN defaults: impl, interpret)."""
+  checks.options(owner, "ffn_options", options, SwiGLU if kind == "swiglu" else FlashFFN,
+                 taken=("d_model", "dtype"))
   d_ff = None if params is None else max(8, 8 * round(params / (3 * d_model) / 8))
   if kind == "swiglu":
     return SwiGLU(d_model, **{"d_ff": d_ff, **options}, dtype=dtype, rngs=rngs)

@@ -296,11 +296,22 @@ class FRACMixer(nnx.Module):
                             self.head_dim), _F32),
     }
 
+  def _check_cache(self, cache, batch: int) -> None:
+    """ValueError unless `cache` has the entries and shapes of init_cache(batch)."""
+    made = jax.eval_shape(lambda: self.init_cache(batch))
+    expected = {k: v.shape for k, v in sorted(made.items())}
+    got = ({k: getattr(v, "shape", type(v).__name__) for k, v in sorted(cache.items())}
+           if isinstance(cache, dict) else type(cache).__name__)
+    if got != expected:
+      raise ValueError(f"FRACMixer.step: `cache` has shapes {got}, expected {expected} for x_t "
+                       f"of batch {batch}: make it with init_cache(batch={batch})")
+
   def step(self, x_t, cache):
     """One token: x_t [B, d] -> (y_t [B, d], cache); equals __call__ token by token."""
     d_model = self.in_proj.shape[0]
     checks.shape("FRACMixer.step", "x_t", x_t, (None, d_model), f"[B, d_model={d_model}]")
     checks.floating("FRACMixer.step", "x_t", x_t)
+    self._check_cache(cache, x_t.shape[0])
     z, xs, bc, dt_raw = self._project(x_t)
     win_x, win_bc = (jnp.concatenate([cache[k].astype(v.dtype), v[:, None]], axis=1)
                      for k, v in (("conv_x", xs), ("conv_bc", bc)))

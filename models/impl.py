@@ -18,6 +18,7 @@ signature per op (`call`); `CHUNKS` holds each op's one default chunk.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal, get_args
 
 import jax
@@ -70,21 +71,58 @@ def resolve_impl(owner: str, impl: str, *, has_kernel: bool = True,
 # Each kernel body's custom call in a lowered program (`kernel_body`).
 BODY_CALLS = {"Mosaic TPU": "tpu_custom_call", "Mosaic GPU": "mosaic_gpu",
               "Triton": "__gpu$xla.gpu.triton"}
+# GPUs a "cuda" lowering can be for without one (`export_mlir`): Pallas reads the compute
+# capability, and the dispatch the chip, from the device kind.
+AMPERE_DEVICE_KIND = "NVIDIA A100-SXM4-80GB"
+HOPPER_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
+BLACKWELL_DEVICE_KIND = "NVIDIA B200"
+_GPU_CUSTOM_CALLS = ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")
 
 
-def kernel_body(fn, *args, platform: str | None = None) -> str:
+def export_mlir(fn, platform: str, *args, device_kind: str = HOPPER_DEVICE_KIND) -> str:
+  """jit(fn)(*args) lowered for `platform` ("tpu", or "cuda" for the GPU `device_kind`) from
+  any machine, as StableHLO text. A "cuda" lowering without a GPU takes the device from an
+  abstract mesh (Auto axes, as a deviceless compile's: tables an op computes eagerly while
+  tracing stay unsharded)."""
+  disabled, target = [], contextlib.nullcontext()
+  if platform == "cuda":
+    disabled = [jax.export.DisabledSafetyCheck.custom_call(c) for c in _GPU_CUSTOM_CALLS]
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None,
+                                         platform="cuda")
+    target = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
+        (1,), ("gpu",), (jax.sharding.AxisType.Auto,), abstract_device=device))
+  with target:
+    exported = jax.export.export(jax.jit(fn), platforms=[platform],
+                                 disabled_checks=disabled)(*args)
+  return exported.mlir_module()
+
+
+def kernel_body(fn, *args, platform: str | None = None,
+                device_kind: str = HOPPER_DEVICE_KIND) -> str:
   """Which kernel body fn(*args) runs, read from its lowered program: "Mosaic TPU", "Mosaic
   GPU", "Triton", or "XLA" when it calls none (the XLA path or the reference, or a kernel
   interpreted on CPU). `fn` may be an NNX layer: `kernel_body(FlashFFN(64, rngs=rngs), x)`.
-  platform: None lowers for the default backend; "tpu" exports for a TPU from any machine
-  (a layer built on CPU needs impl="pallas" for that, as "auto" resolved to "xla" there)."""
+
+  platform: None lowers for the default backend; "tpu" or "cuda" (the GPU `device_kind`, an
+  H100 unless given) lowers for that chip from any machine. A layer whose impl resolved to
+  "xla" runs no kernel anywhere, so asking another platform about it is a ValueError: "auto"
+  resolves on the machine that builds the layer (to "xla" on CPU); build it with
+  impl="pallas" to read what a TPU or GPU runs.
+  """
   if isinstance(fn, nnx.Module):
+    on_xla = [type(m).__name__ for _, m in nnx.iter_graph(fn)
+              if isinstance(m, nnx.Module) and getattr(m, "impl", "") == "xla"]
+    if platform not in (None, jax.default_backend()) and on_xla:
+      raise ValueError(
+          f"kernel_body: `platform`={platform!r} asks what that chip runs, but {on_xla[0]} was "
+          f"built with impl 'xla' (what impl='auto' is on this {jax.default_backend()} "
+          "machine), which runs no kernel on any chip: build it with impl='pallas'")
     graphdef, state = nnx.split(fn)
     fn, args = (lambda state, *a: nnx.merge(graphdef, state)(*a)), (state, *args)
   if platform is None:
     text = jax.jit(fn).lower(*args).as_text()
   else:
-    text = jax.export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
+    text = export_mlir(fn, platform, *args, device_kind=device_kind)
   found = [name for name, call in BODY_CALLS.items() if call in text]
   return " + ".join(found) or "XLA"
 

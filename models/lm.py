@@ -32,11 +32,16 @@ MIXERS = ("attention", "frac", "mamba2")
 
 def make_mixer(kind: str, d_model: int, num_heads: int, *, context: int, impl: str, interpret,
                dtype, options: dict, rngs: nnx.Rngs) -> nnx.Module:
-  """The sequence mixer `kind` (one of MIXERS); `options` go to its constructor."""
+  """The sequence mixer `kind` (one of MIXERS); `options` (a model's `mixer_options`) go to its
+  constructor."""
   if kind == "attention":
+    checks.options("LanguageModel", "mixer_options", options, CausalAttention,
+                   taken=("d_model", "num_heads", "context", "dtype"))
     return CausalAttention(d_model, num_heads, context=context, dtype=dtype, rngs=rngs, **options)
   # lazy: FRAC lives in its own module
   from neurips26_jax.models.frac import FRACMixer  # noqa: PLC0415
+  checks.options("LanguageModel", "mixer_options", options, FRACMixer,
+                 taken=("d_model", "num_heads", "context", "impl", "interpret", "dtype", "mamba2"))
   return FRACMixer(d_model, num_heads=num_heads, context=context, impl=impl, interpret=interpret,
                    dtype=dtype, mamba2=kind == "mamba2", rngs=rngs, **options)
 

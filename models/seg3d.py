@@ -60,7 +60,7 @@ class Pack3DSegmenter(nnx.Module):
         Block(Pack3DAttention(d_model, num_heads, impl=impl, interpret=interpret, dtype=dtype,
                               rngs=rngs, **(attention_options or {})),
               make_ffn(ffn, d_model, impl=impl, interpret=interpret, dtype=dtype,
-                       options=dict(ffn_options or {}), rngs=rngs),
+                       options=dict(ffn_options or {}), rngs=rngs, owner="Pack3DSegmenter"),
               d_model)
         for _ in range(depth)])
     self.norm = RMSNorm(d_model)

@@ -8,8 +8,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import export
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
+
+from neurips26_jax.models.impl import (AMPERE_DEVICE_KIND, BLACKWELL_DEVICE_KIND,  # noqa: F401
+                                       HOPPER_DEVICE_KIND)
+from neurips26_jax.models.impl import export_mlir as impl_export_mlir
 
 # What each platform's exported module must contain: the Pallas custom call itself,
 # so an XLA fallback cannot pass for a kernel.
@@ -19,30 +22,14 @@ BACKEND_CALL = {"mosaic": "tpu_custom_call", "triton": "__gpu$xla.gpu.triton",
                 "mosaic_gpu": "mosaic_gpu_v2"}
 
 
-# The GPU that "cuda" lowerings are for: Pallas' Triton lowering reads the compute capability
-# from an abstract device when no GPU is present (jax 0.12 requires one; 0.10 assumed 9.0).
-# An Ampere GPU, so `backend=None` picks the Triton body (Hopper ones may get Mosaic GPU).
-CUDA_DEVICE_KIND = "NVIDIA A100-SXM4-80GB"
-HOPPER_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
-BLACKWELL_DEVICE_KIND = "NVIDIA B200"
+# The GPU that "cuda" lowerings here are for: an Ampere GPU, so `backend=None` picks the Triton
+# body (Hopper ones may get Mosaic GPU).
+CUDA_DEVICE_KIND = AMPERE_DEVICE_KIND
 
 
 def export_mlir(fn, platform: str, *args, device_kind: str = CUDA_DEVICE_KIND) -> str:
-  """Lowers jit(fn) for `platform` ("tpu" or "cuda", the latter for the GPU `device_kind`)
-  from CPU; returns the StableHLO text."""
-  disabled, target = [], contextlib.nullcontext()
-  if platform == "cuda":
-    disabled = [export.DisabledSafetyCheck.custom_call(BACKEND_CALL[b])
-                for b in ("triton", "mosaic_gpu")]
-    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None,
-                                         platform="cuda")
-    # Auto axes, as a deviceless compile's mesh has: the layout tables that ops compute
-    # eagerly at trace time stay unsharded (an Explicit mesh would shard them abstractly).
-    target = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh(
-        (1,), ("gpu",), (jax.sharding.AxisType.Auto,), abstract_device=device))
-  with target:
-    exported = export.export(jax.jit(fn), platforms=[platform], disabled_checks=disabled)(*args)
-  return exported.mlir_module()
+  """models.impl.export_mlir, for an Ampere GPU unless `device_kind` says otherwise."""
+  return impl_export_mlir(fn, platform, *args, device_kind=device_kind)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from neurips26_jax.jaxops import flash_ffn, frac, pack3d, packing, rope
 from neurips26_jax.jaxops.rms_norm import rms_normalize_groups
 from neurips26_jax.models import (CausalAttention, FlashFFN, FRACMixer, LanguageModel,
                                   Pack3DAttention, Pack3DSegmenter, RMSNorm, SwiGLU, UNet3D)
+from neurips26_jax.models.impl import kernel_body
 from neurips26_jax.pallas_kernels import flash_ffn as ffn_kernel
 from neurips26_jax.train import lm_task, seg3d_task
 
@@ -134,6 +135,8 @@ CASES = [
      TypeError, "`x`"),
     ("pack_fields_one_array", lambda: packing.pack_fields(np.ones((4, 4, 4, 2))), TypeError,
      "pass [grid]"),
+    ("pack_fields_raw_volume", lambda: packing.pack_fields([np.ones((8, 8, 8, 3))], width=48),
+     ValueError, "`width` is 48: a raw volume [Z, Y, X, C] is patchified (packing.patchify)"),
     ("patchify_patch_zero", lambda: packing.patchify(ones(4, 4, 4, 1), (4, 0, 4)), ValueError,
      "`patch[1]`"),
     ("rms_groups_not_dividing", lambda: rms_normalize_groups(ones(2, 10), 4), ValueError,
@@ -185,6 +188,26 @@ CASES = [
     ("lm_empty_sequence", lambda: lm(rngs=rngs())(jnp.zeros((1, 0), jnp.int32)), ValueError,
      "`tokens`"),
     ("lm_zero_vocab", lambda: lm(vocab_size=0, rngs=rngs()), ValueError, "`vocab_size`"),
+    ("lm_mixer_option_misspelt",
+     lambda: lm(mixer="frac", mixer_options={"head_dm": 8}, rngs=rngs()), ValueError,
+     "LanguageModel: `mixer_options` has ['head_dm'], not an argument of FRACMixer; its "
+     "arguments are ['alpha_init', 'alpha_min', 'backend', 'chunk', 'conv_width', 'head_dim',"),
+    ("lm_mixer_option_the_model_sets",
+     lambda: lm(mixer="attention", mixer_options={"context": 4}, rngs=rngs()), ValueError,
+     "`mixer_options` sets ['context'], which LanguageModel sets itself"),
+    ("lm_ffn_option_misspelt", lambda: lm(ffn_options={"dff": 16}, rngs=rngs()), ValueError,
+     "`ffn_options` has ['dff'], not an argument of SwiGLU; its arguments are ['d_ff',"),
+    ("segmenter_ffn_option_misspelt",
+     lambda: segmenter(ffn="flashffn", ffn_options={"num_expert": 2}, rngs=rngs()), ValueError,
+     "Pack3DSegmenter: `ffn_options` has ['num_expert'], not an argument of FlashFFN"),
+    ("frac_step_cache_of_another_batch",
+     lambda: mixer(rngs=rngs()).step(ones(3, 16), mixer(rngs=rngs()).init_cache(2)), ValueError,
+     "`cache` has shapes {'conv_bc': (2, 3, 8), "),
+    ("kernel_body_tpu_of_a_layer_built_for_xla",
+     lambda: kernel_body(ffn(), ones(1, 4, 32), platform="tpu"), ValueError,
+     "`platform`='tpu' asks what that chip runs, but FlashFFN was built with impl 'xla' "
+     "(what impl='auto' is on this cpu machine), which runs no kernel on any chip: build it "
+     "with impl='pallas'"),
     ("segmenter_patch_zero", lambda: segmenter(patch=(2, 2, 0), rngs=rngs()), ValueError,
      "`patch[2]`"),
     ("segmenter_token_width", lambda: segmenter(rngs=rngs())(ones(1, 12, 7), COORDS, FIELDS),
@@ -216,7 +239,7 @@ CASES = [
 def test_bad_input_names_the_argument(call, error, name):
   with pytest.raises(error) as info:
     call()
-  assert name in str(info.value), str(info.value)
+  assert name in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
 def test_dtype_errors_are_also_value_errors():
