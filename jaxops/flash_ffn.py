@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from neurips26_jax.jaxops import checks
 from neurips26_jax.jaxops.rms_norm import rms_normalize_groups
@@ -30,7 +31,8 @@ from neurips26_jax.jaxops.tiling import seq_chunks, seq_unchunk
 _F32 = jnp.float32
 
 
-def check_mhffn_inputs(q, r, k, u, v) -> None:
+def check_mhffn_inputs(q: jax.Array, r: jax.Array, k: jax.Array, u: jax.Array,
+                       v: jax.Array) -> None:
   """Raises (see `jaxops.checks`) naming the argument when shapes, dtypes or values do not fit.
 
   r must hold normalized router weights (>= 0, summing to 1 over E): checked when concrete,
@@ -66,7 +68,8 @@ def check_mhffn_inputs(q, r, k, u, v) -> None:
                 "hold normalized router weights (>= 0, summing to 1 over E)")
 
 
-def mhffn_reference(q, r, k, u, v):
+def mhffn_reference(q: jax.Array, r: jax.Array, k: jax.Array, u: jax.Array,
+                    v: jax.Array) -> jax.Array:
   """Plain float32 einsum form of the multi-head FFN. Returns o [B, L, H, d_h] in q.dtype."""
   check_mhffn_inputs(q, r, k, u, v)
   q32, r32, k32, u32, v32 = (x.astype(_F32) for x in (q, r, k, u, v))
@@ -101,7 +104,8 @@ def _mhffn_dense(q, r, k, u, v):
 NORM_EPS = 1e-6
 
 
-def route_heads(q, router, *, normalize: bool = True):
+def route_heads(q: jax.Array, router: jax.Array, *,
+                normalize: bool = True) -> tuple[jax.Array, jax.Array]:
   """FlashFFN's head norm and router (DESIGN.md section 2, steps 2-3) on W_in's output.
 
   q_h <- q_h / sqrt(mean(q_h^2) + 1e-6) if `normalize`;
@@ -130,7 +134,9 @@ def route_heads(q, router, *, normalize: bool = True):
   return q.reshape(*lead, heads, d_h), r
 
 
-def mhffn_routed_reference(q, router, k, u, v, *, gain=None, normalize: bool = True):
+def mhffn_routed_reference(q: jax.Array, router: jax.Array, k: jax.Array, u: jax.Array,
+                           v: jax.Array, *, gain: jax.Array | None = None,
+                           normalize: bool = True) -> jax.Array:
   """Head norm (times its gain), router and mixture written out in float32 einsums: q [B, L,
   H, d_h] (W_in's output), router [H, d_h, E], gain [H, d_h] or None -> o [B, L, H, d_h] in
   q.dtype."""
@@ -145,7 +151,8 @@ def mhffn_routed_reference(q, router, k, u, v, *, gain=None, normalize: bool = T
   return mhffn_reference(q_hat, r, *(t.astype(q.dtype) for t in (k, u, v)))
 
 
-def fold_gain(k, u, v, gain, dtype):
+def fold_gain(k: jax.Array, u: jax.Array, v: jax.Array, gain: jax.Array | None,
+              dtype: DTypeLike) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The tables (K g, U g, V) in the compute `dtype` for a layer whose heads are q_hat * g.
 
   (q_hat g) K^T = q_hat (K g)^T: the norm gain g [H, d_h] scales K's and U's d_h columns
@@ -158,13 +165,15 @@ def fold_gain(k, u, v, gain, dtype):
   return fold(k), fold(u), v.astype(dtype)
 
 
-def fold_router_gain(router, gain):
+def fold_router_gain(router: jax.Array, gain: jax.Array | None) -> jax.Array:
   """The router [H, d_h, E] for a layer whose heads are q_hat * g: (q_hat g) W_r = q_hat (g
   W_r), its d_h rows scaled by the norm gain g [H, d_h]; gain=None: the router."""
   return router if gain is None else router * gain[:, :, None].astype(router.dtype)
 
 
-def mhffn_routed(q, router, k, u, v, *, gain=None, normalize: bool = True, chunk: int = 512):
+def mhffn_routed(q: jax.Array, router: jax.Array, k: jax.Array, u: jax.Array, v: jax.Array, *,
+                 gain: jax.Array | None = None, normalize: bool = True,
+                 chunk: int = 512) -> jax.Array:
   """Fast XLA path of the layer's op (`mhffn_routed_reference`'s math): `route_heads` then
   `mhffn`, with the norm gain g [H, d_h] folded into the router's rows and the tables
   (`fold_gain`). q [B, L, H, d_h] -> o [B, L, H, d_h] in q.dtype."""
@@ -173,7 +182,8 @@ def mhffn_routed(q, router, k, u, v, *, gain=None, normalize: bool = True, chunk
   return mhffn(q_hat, r, *fold_gain(k, u, v, gain, q.dtype), chunk=chunk)
 
 
-def mhffn(q, r, k, u, v, *, chunk: int = 512):
+def mhffn(q: jax.Array, r: jax.Array, k: jax.Array, u: jax.Array, v: jax.Array, *,
+          chunk: int = 512) -> jax.Array:
   """Fast XLA path: `mhffn_reference` computed `chunk` tokens at a time.
 
   Each chunk is wrapped in `jax.checkpoint`, so the backward pass recomputes the
@@ -188,7 +198,7 @@ def mhffn(q, r, k, u, v, *, chunk: int = 512):
   return seq_unchunk(o, q.shape[1]).astype(q.dtype)
 
 
-def swiglu(x, w_gate, w_up, w_down):
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
   """The SwiGLU baseline: (silu(x W_gate) * (x W_up)) W_down.
 
   x [..., d], w_gate and w_up [d, d_ff], w_down [d_ff, d] -> [..., d].

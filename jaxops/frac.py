@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 import numpy as np
 
 from neurips26_jax.jaxops import checks
@@ -58,7 +60,8 @@ def default_num_modes(context: int) -> int:
   return math.ceil(math.log(S_HIGH * context / S_LOW)) + 2
 
 
-def soe_modes(alpha, *, num_modes: int | None = None, context: int, kernel: str = "power"):
+def soe_modes(alpha: ArrayLike, *, num_modes: int | None = None, context: int,
+              kernel: str = "power") -> tuple[jax.Array, jax.Array]:
   """Sum-of-exponentials fit of a completely monotone memory kernel.
 
   Rates s_j = s_min e^(j h), j = 0..G-1, span [s_min, s_max] = [S_LOW/context, S_HIGH]
@@ -115,7 +118,7 @@ def soe_modes(alpha, *, num_modes: int | None = None, context: int, kernel: str 
           jnp.concatenate([tail, weights], axis=-1))
 
 
-def soe_kernel(rates, weights, u):
+def soe_kernel(rates: jax.Array, weights: jax.Array, u: jax.Array) -> jax.Array:
   """K(u) = sum_j weights_j exp(-rates_j u): rates, weights [..., M], u [K] -> [..., K]."""
   return jnp.sum(weights[..., None, :] * jnp.exp(-rates[..., None, :] * u[:, None]), axis=-1)
 
@@ -124,7 +127,10 @@ def soe_kernel(rates, weights, u):
 # Input checks shared by every scan path (the kernel's too).
 # ----------------------------------------------------------------------------
 
-def check_scan_inputs(x, dt, b, c, rates, weights, initial_state=None, *, name="frac_scan"):
+def check_scan_inputs(x: jax.Array, dt: jax.Array, b: jax.Array, c: jax.Array,
+                      rates: jax.Array, weights: jax.Array,
+                      initial_state: jax.Array | None = None, *,
+                      name: str = "frac_scan") -> None:
   """Raises (see `jaxops.checks`) naming the argument when shapes, dtypes or values do not fit.
 
   dt must be > 0, rates >= 0, weights finite: checked when concrete, `checkify.debug_check`s
@@ -163,7 +169,7 @@ def check_scan_inputs(x, dt, b, c, rates, weights, initial_state=None, *, name="
   checks.values(name, "weights", weights, checks.finite, "be finite")
 
 
-def zero_state(x, b, rates):
+def zero_state(x: jax.Array, b: jax.Array, rates: jax.Array) -> jax.Array:
   """The zero initial state [Bt, H, M, N, P] float32 for these inputs."""
   batch, _, heads, p = x.shape
   return jnp.zeros((batch, heads, rates.shape[1], b.shape[3], p), _F32)
@@ -173,7 +179,8 @@ def zero_state(x, b, rates):
 # Sequential reference and decoding.
 # ----------------------------------------------------------------------------
 
-def frac_step(state, x_t, dt_t, b_t, c_t, rates, weights):
+def frac_step(state: jax.Array, x_t: jax.Array, dt_t: jax.Array, b_t: jax.Array, c_t: jax.Array,
+              rates: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
   """One step of the recurrence (decoding).
 
   Args:
@@ -202,7 +209,9 @@ def _step(state, x_t, dt_t, b_t, c_t, rates, weights):
   return y.astype(x_t.dtype), state
 
 
-def frac_scan_reference(x, dt, b, c, rates, weights, initial_state=None):
+def frac_scan_reference(x: jax.Array, dt: jax.Array, b: jax.Array, c: jax.Array,
+                        rates: jax.Array, weights: jax.Array,
+                        initial_state: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """The recurrence as a plain sequential float32 loop over tokens.
 
   Returns:
@@ -281,7 +290,8 @@ def _unscan_chunks(plan: TilePlan, x, bd, c, t, modes: Modes, starts, dy, dstate
 CHECKPOINT_NAME = "frac_scan"
 
 
-def scan_vjp(plan: TilePlan, forward, backward):
+def scan_vjp(plan: TilePlan, forward: Callable[..., tuple],
+             backward: Callable[..., tuple]) -> Callable[..., tuple[jax.Array, jax.Array]]:
   """A differentiable scan from tile-level forward/backward functions (XLA or kernels).
 
   forward(x, bd, c, t, modes, state, *, save_starts) -> (y, state, starts or None) and
@@ -319,7 +329,9 @@ def _shape_args(args):
   return x, b, rates
 
 
-def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int = 64):
+def frac_scan(x: jax.Array, dt: jax.Array, b: jax.Array, c: jax.Array, rates: jax.Array,
+              weights: jax.Array, initial_state: jax.Array | None = None, *,
+              chunk: int = 64) -> tuple[jax.Array, jax.Array]:
   """Chunked parallel form of `frac_scan_reference`: same arguments and result.
 
   Tokens are cut into chunks of `chunk`; inside a chunk the M modes fold into one

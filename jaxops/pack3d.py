@@ -43,9 +43,11 @@ and why.
 from __future__ import annotations
 
 import math
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 import numpy as np
 
 from neurips26_jax.jaxops import checks
@@ -59,8 +61,10 @@ MASK = -1e30  # finite "minus infinity": fully masked rows stay finite (and are 
 
 # ----------------------------------------------------------------------------- checks
 
-def check_pack3d_inputs(q, k, v, coords, field_ids, block_shape, radius_blocks,
-                        gates=None, far_offset=None) -> None:
+def check_pack3d_inputs(q: jax.Array, k: jax.Array, v: jax.Array, coords: ArrayLike,
+                        field_ids: ArrayLike, block_shape: Sequence[int], radius_blocks: int,
+                        gates: jax.Array | None = None,
+                        far_offset: ArrayLike | None = None) -> None:
   """Raises (see `jaxops.checks`) naming the argument when shapes, dtypes or values do not fit.
 
   Concrete coords must be non-negative and unique within a field; with traced coords an
@@ -109,7 +113,9 @@ def _check_values(coords: np.ndarray, field_ids: np.ndarray) -> None:
 
 # ----------------------------------------------------------------------------- cube summaries
 
-def cube_summaries(layout: CubeLayout, k_cubes, v_cubes, coords=None, summary_rope=None):
+def cube_summaries(layout: CubeLayout, k_cubes: jax.Array, v_cubes: jax.Array,
+                   coords: ArrayLike | None = None,
+                   summary_rope: dict[str, Any] | None = None) -> tuple[jax.Array, jax.Array]:
   """Cube means kbar, vbar [B, C, H, D] (float32) from k, v in cube layout [B, C, T, H, D].
 
   summary_rope=None: kbar_b = mean_j k_j (keys rotated before compression). A dict of
@@ -131,7 +137,7 @@ def cube_summaries(layout: CubeLayout, k_cubes, v_cubes, coords=None, summary_ro
 
 # ----------------------------------------------------------------------------- reference
 
-def per_token_cube_sum(x, cube_id):
+def per_token_cube_sum(x: jax.Array, cube_id: jax.Array) -> jax.Array:
   """x [B, N, ...] -> the sum of x over each token's cube, [B, N, ...] float32; cube_id
   [B, N] in [0, N) names each token's cube.
 
@@ -144,9 +150,12 @@ def per_token_cube_sum(x, cube_id):
   return jax.vmap(one)(x, cube_id)
 
 
-def pack3d_attention_reference(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
-                               radius_blocks: int = 1, block_bias: bool = True, gates=None,
-                               summary_rope=None, far_offset=None):
+def pack3d_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, coords: ArrayLike,
+                               field_ids: ArrayLike, *, block_shape: Sequence[int] = (4, 4, 4),
+                               radius_blocks: int = 1, block_bias: bool = True,
+                               gates: jax.Array | None = None,
+                               summary_rope: dict[str, Any] | None = None,
+                               far_offset: ArrayLike | None = None) -> jax.Array:
   """Dense masked float32 form: every query against every token of the batch entry.
 
   A far cube b is represented once per token j in it, carrying b's summary and the
@@ -242,11 +251,15 @@ def _attend_chunk(q, k_cubes, v_cubes, key_valid, kbar, vbar, far_bias, neighbou
   return g[..., :1] * pv(p_loc, v_loc) / total(p_loc) + g[..., 1:] * o_far
 
 
-def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
-                     radius_blocks: int = 1, block_bias: bool = True, gates=None,
-                     summary_rope=None, far_offset=None, max_cubes: int | None = None,
-                     chunk: int = 16, levels: int = 1, level_radius=None,
-                     max_top_cubes: int | None = None, level_key_gain: float | None = None):
+def pack3d_attention(q: jax.Array, k: jax.Array, v: jax.Array, coords: ArrayLike,
+                     field_ids: ArrayLike, *, block_shape: Sequence[int] = (4, 4, 4),
+                     radius_blocks: int = 1, block_bias: bool = True,
+                     gates: jax.Array | None = None, summary_rope: dict[str, Any] | None = None,
+                     far_offset: ArrayLike | None = None, max_cubes: int | None = None,
+                     chunk: int = 16, levels: int = 1,
+                     level_radius: int | Sequence[int] | None = None,
+                     max_top_cubes: int | None = None,
+                     level_key_gain: float | None = None) -> jax.Array:
   """Fast XLA path of Pack3D attention; same arguments and result as the reference.
 
   Args (beyond the reference's):

@@ -23,14 +23,19 @@ Everything here runs on concrete (numpy) index arrays: it is data preparation.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, TypeVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from neurips26_jax.jaxops import checks
 
 LAYOUTS = ("raster_zyx", "raster_xyz", "morton", "hilbert", "cube_major", "shuffled_fields")
+
+# A volume, grid or token array: numpy in, numpy out; a jax.Array in, a jax.Array out.
+Grid = TypeVar("Grid", np.ndarray, jax.Array)
 
 
 def grid_coords(shape: Sequence[int]) -> np.ndarray:
@@ -39,7 +44,7 @@ def grid_coords(shape: Sequence[int]) -> np.ndarray:
                   axis=-1).reshape(-1, 3).astype(np.int32)
 
 
-def patchify(volume, patch: Sequence[int]):
+def patchify(volume: Grid, patch: Sequence[int]) -> Grid:
   """[*batch, Z, Y, X, C] -> token grid [*batch, Z/pz, Y/py, X/px, pz*py*px*C].
 
   Each token holds its patch flattened in (pz, py, px, C) order. Z, Y, X must be
@@ -59,7 +64,7 @@ def patchify(volume, patch: Sequence[int]):
   return v.reshape(*batch, z // pz, y // py, x // px, pz * py * px * c)
 
 
-def unpatchify(grid, patch: Sequence[int]):
+def unpatchify(grid: Grid, patch: Sequence[int]) -> Grid:
   """Inverse of `patchify`: [*batch, nz, ny, nx, pz*py*px*C] -> [*batch, Z, Y, X, C]."""
   checks.zyx("unpatchify", "patch", patch)
   if grid.ndim < 4:
@@ -76,7 +81,8 @@ def unpatchify(grid, patch: Sequence[int]):
   return v.reshape(*batch, nz * pz, ny * py, nx * px, c)
 
 
-def pack_fields(grids: Sequence, *, width: int | None = None):
+def pack_fields(grids: Sequence[Grid], *,
+                width: int | None = None) -> tuple[Grid, np.ndarray, np.ndarray]:
   """Packs token grids [*batch, Z_i, Y_i, X_i, d] (same batch and d) into one sequence.
 
   width: the d the grids must have (a model's d_model), if given; a raw volume [Z, Y, X, C]
@@ -110,7 +116,7 @@ def pack_fields(grids: Sequence, *, width: int | None = None):
   return tokens, coords, field_ids
 
 
-def unpack_fields(tokens, shapes: Sequence[Sequence[int]]):
+def unpack_fields(tokens: Grid, shapes: Sequence[Sequence[int]]) -> list[Grid]:
   """Inverse of `pack_fields`: [*batch, N, d] -> list of [*batch, Z_i, Y_i, X_i, d]."""
   sizes = [int(np.prod(s)) for s in shapes]
   if sum(sizes) != tokens.shape[-2]:
@@ -136,13 +142,13 @@ def _interleave(axes, bits: int) -> np.ndarray:
   return key
 
 
-def morton_key(coords) -> np.ndarray:
+def morton_key(coords: ArrayLike) -> np.ndarray:
   """Z-order index of (z, y, x) coords [n, 3] (non-negative ints): int64 [n]."""
   c = np.asarray(coords, np.int64)
   return _interleave([c[:, 0], c[:, 1], c[:, 2]], _bits(c))
 
 
-def hilbert_key(coords) -> np.ndarray:
+def hilbert_key(coords: ArrayLike) -> np.ndarray:
   """3D Hilbert index of (z, y, x) coords [n, 3] (non-negative ints): int64 [n].
 
   Skilling's transform ("Programming the Hilbert curve", AIP Conf. Proc. 707, 2004): undo
@@ -187,7 +193,9 @@ def _within_field_keys(coords, layout: str, block_shape) -> list:
   return [cube[:, 0], cube[:, 1], cube[:, 2], local[:, 0], local[:, 1], local[:, 2]]
 
 
-def layout_permutation(coords, field_ids, layout: str, *, block_shape=(4, 4, 4), seed: int = 0):
+def layout_permutation(coords: ArrayLike, field_ids: ArrayLike, layout: str, *,
+                       block_shape: Sequence[int] = (4, 4, 4),
+                       seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
   """The order of `layout` (see module docstring) as (perm, inverse), both int32 [N].
 
   Args:

@@ -20,7 +20,7 @@ from neurips26_jax.jaxops import checks
 
 
 @jax.custom_vjp
-def rms_normalize(x, eps: float = 1e-6):
+def rms_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
   """x [..., D] -> x / sqrt(mean(x^2, -1) + eps) in x.dtype (statistics in float32)."""
   return _forward(x, eps)[0]
 
@@ -85,7 +85,7 @@ def _expand(v, width: int, dtype=jnp.float32):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def rms_normalize_groups(x, groups: int, eps: float = 1e-6):
+def rms_normalize_groups(x: jax.Array, groups: int, eps: float = 1e-6) -> jax.Array:
   """x [..., G * D] -> each group of D features over its own RMS, in x.dtype.
 
   The same math as `rms_normalize` on x reshaped to [..., G, D], kept flat: the group

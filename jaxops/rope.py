@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from neurips26_jax.jaxops import checks
 
@@ -32,7 +34,7 @@ def _check_x_and_theta(owner: str, x, theta) -> None:
     raise ValueError(f"{owner}: `theta` must be > 0, got {theta!r}")
 
 
-def rotate(x, angles):
+def rotate(x: jax.Array, angles: jax.Array) -> jax.Array:
   """Rotates the pairs (x[..., k], x[..., m + k]) of x [..., 2m] by angles [..., m] (float32)."""
   m = x.shape[-1] // 2
   x1, x2 = x[..., :m].astype(_F32), x[..., m:].astype(_F32)
@@ -40,14 +42,14 @@ def rotate(x, angles):
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
-def rope_angles(positions, width: int, theta: float):
+def rope_angles(positions: jax.Array, width: int, theta: float) -> jax.Array:
   """Angles p * theta^(-k/m), k = 0..m-1, for a rotary part of `width` = 2m: [..., m] float32."""
   m = width // 2
   freqs = theta ** (-jnp.arange(m, dtype=_F32) / m)
   return positions.astype(_F32)[..., None] * freqs
 
 
-def rope_1d(x, positions, *, theta: float = 10000.0):
+def rope_1d(x: jax.Array, positions: jax.Array, *, theta: float = 10000.0) -> jax.Array:
   """1D RoPE over a sequence index (the packed-sequence baseline).
 
   Args:
@@ -63,8 +65,8 @@ def rope_1d(x, positions, *, theta: float = 10000.0):
   return rotate(x, rope_angles(positions, x.shape[-1], theta)[..., None, :])
 
 
-def axial_rope_3d_float(x, positions, *, theta: float = 10000.0,
-                        spacing: Sequence[float] = (1.0, 1.0, 1.0)):
+def axial_rope_3d_float(x: jax.Array, positions: jax.Array, *, theta: float = 10000.0,
+                        spacing: Sequence[float] = (1.0, 1.0, 1.0)) -> jax.Array:
   """`axial_rope_3d` at real-valued positions [..., N, 3] (no input checks).
 
   Used for rotations at non-grid points, e.g. a cube's mean position or -p (R(-p) = R(p)^-1).
@@ -76,8 +78,8 @@ def axial_rope_3d_float(x, positions, *, theta: float = 10000.0,
   return jnp.concatenate(pieces, axis=-1)
 
 
-def axial_rope_3d(x, coords, *, theta: float = 10000.0,
-                  spacing: Sequence[float] = (1.0, 1.0, 1.0)):
+def axial_rope_3d(x: jax.Array, coords: ArrayLike, *, theta: float = 10000.0,
+                  spacing: Sequence[float] = (1.0, 1.0, 1.0)) -> jax.Array:
   """Axial 3D RoPE on integer grid coordinates.
 
   Args:

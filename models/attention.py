@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.typing import DTypeLike
 
 from neurips26_jax.jaxops import checks
 from neurips26_jax.jaxops.rope import rope_1d
@@ -58,7 +59,7 @@ def default_query_chunk(num_heads: int, length: int) -> int:
   return chunk
 
 
-def causal_heads(q, k, v, chunk: int):
+def causal_heads(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
   """The heads' causal outputs o [B, L, H, D] (v's dtype) from q, k, v [B, L, H, D] (RoPE'd),
   `chunk` queries at a time (`default_query_chunk`), each chunk under `jax.checkpoint`."""
   length = q.shape[1]
@@ -100,8 +101,8 @@ class CausalAttention(nnx.Module):
   """
 
   def __init__(self, d_model: int, num_heads: int, *, context: int, rope_theta: float = 10000.0,
-               query_chunk: int | None = None, dtype=None, param_dtype=jnp.float32,
-               rngs: nnx.Rngs):
+               query_chunk: int | None = None, dtype: DTypeLike | None = None,
+               param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs) -> None:
     checks.ints("CausalAttention", dict(d_model=d_model, num_heads=num_heads, context=context,
                                         **checks.given(query_chunk=query_chunk)))
     checks.multiple("CausalAttention", "`d_model`", d_model, 2 * num_heads, "2 * `num_heads`"
@@ -128,7 +129,7 @@ class CausalAttention(nnx.Module):
     o = constrain(o, ("batch", "seq", "act_heads", None))
     return jnp.einsum("bqhd,hdm->bqm", o, self.wo[...].astype(o.dtype))
 
-  def __call__(self, x):
+  def __call__(self, x: jax.Array) -> jax.Array:
     """x [B, L, d] -> [B, L, d]."""
     checks.sequence("CausalAttention", "x", x, self.wo.shape[-1])
     q, k, v = self._qkv(x, jnp.arange(x.shape[1]))
@@ -136,14 +137,15 @@ class CausalAttention(nnx.Module):
     chunk = self.query_chunk or default_query_chunk(self.num_heads, x.shape[1])
     return self._out(checkpoint_name(causal_heads(q, k, v, chunk), CHECKPOINT_NAME))
 
-  def init_cache(self, batch: int):
+  def init_cache(self, batch: int) -> dict[str, jax.Array]:
     """{"k", "v": [batch, context, H, D] zeros, "pos": 0}."""
     checks.ints("CausalAttention.init_cache", {"batch": batch})
     d_h = self.wq.shape[-1]
     zeros = jnp.zeros((batch, self.context, self.num_heads, d_h), self.dtype or jnp.float32)
     return {"k": zeros, "v": zeros, "pos": jnp.zeros((), jnp.int32)}
 
-  def step(self, x_t, cache):
+  def step(self, x_t: jax.Array,
+           cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One token: x_t [B, d] at position cache["pos"] (< context) -> (y_t [B, d], cache)."""
     d_model = self.wo.shape[-1]
     checks.shape("CausalAttention.step", "x_t", x_t, (None, d_model), f"[B, d_model={d_model}]")

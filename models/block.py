@@ -10,9 +10,11 @@ token-wise FFN whose heads the tensor axis does not divide on a sequence split i
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 from flax import nnx
+from jax.typing import DTypeLike
 
 from neurips26_jax.jaxops import checks
 from neurips26_jax.models.flash_ffn import FlashFFN, SwiGLU, flashffn_shape
@@ -27,8 +29,9 @@ def param_count(layer: nnx.Module) -> int:
   return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(layer, nnx.Param)))
 
 
-def make_ffn(kind: str, d_model: int, *, params: int | None = None, impl: str, interpret, dtype,
-             options: dict, rngs: nnx.Rngs, owner: str = "LanguageModel") -> nnx.Module:
+def make_ffn(kind: str, d_model: int, *, params: int | None = None, impl: str, interpret: Any,
+             dtype: DTypeLike | None, options: dict[str, Any], rngs: nnx.Rngs,
+             owner: str = "LanguageModel") -> nnx.Module:
   """The FFN `kind` (one of FFNS) of about `params` parameters (None: a SwiGLU of its default
   width's), unless `options` set its sizes: SwiGLU(d_model, **options) or
   FlashFFN(d_model, **options) (FlashFFN defaults: impl, interpret)."""
@@ -52,12 +55,12 @@ class Block(nnx.Module):
   """x [B, L, d] -> x + mixer(norm(x), *context), then + ffn(norm(.)); see the module
   docstring. Calls a mixer or FFN whose `impl` is "pallas" through `shard_layer`."""
 
-  def __init__(self, mixer: nnx.Module, ffn: nnx.Module, d_model: int):
+  def __init__(self, mixer: nnx.Module, ffn: nnx.Module, d_model: int) -> None:
     self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
     self.mixer, self.ffn = mixer, ffn
     self.pallas_mixer, self.pallas_ffn = _uses_kernel(mixer), _uses_kernel(ffn)
 
-  def __call__(self, x, *context):
+  def __call__(self, x: jax.Array, *context: jax.Array) -> jax.Array:
     """x [B, L, d], context: the mixer's extra inputs ([B, ...] each) -> [B, L, d]."""
     h = self.norm1(x)
     x = x + (shard_layer(self.mixer, h, *context, split_heads=True) if self.pallas_mixer
@@ -67,7 +70,8 @@ class Block(nnx.Module):
              else self.ffn(h))
     return constrain(x, ("batch", "seq", None))
 
-  def step(self, x_t, cache):
+  def step(self, x_t: jax.Array,
+           cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Decoding (causal mixers): x_t [B, d] -> (y_t [B, d], cache)."""
     h, cache = self.mixer.step(self.norm1(x_t), cache)
     x_t = x_t + h.astype(x_t.dtype)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from neurips26_jax.jaxops import checks
 from neurips26_jax.jaxops import flash_ffn as ffn_ops
@@ -50,7 +52,7 @@ def flashffn_param_count(d_model: int, num_experts: int, d_expert: int) -> int:
   return 2 * d_model**2 + 3 * d_model * num_experts * d_expert + d_model * num_experts
 
 
-def flashffn_shape(d_model: int, params: int, *, head_norm: bool = True) -> dict:
+def flashffn_shape(d_model: int, params: int, *, head_norm: bool = True) -> dict[str, int]:
   """E and d_e of a FlashFFN with about `params` parameters (the rule behind its defaults).
 
   The per-head width E d_e takes what W_in, W_out (2 d^2), the router (d E) and the norm gains
@@ -67,7 +69,8 @@ def flashffn_shape(d_model: int, params: int, *, head_norm: bool = True) -> dict
   return {"num_experts": experts, "d_expert": d_expert}
 
 
-def heads_and_router(x, w_in, router, *, normalize: bool, dtype):
+def heads_and_router(x: jax.Array, w_in: jax.Array, router: jax.Array, *, normalize: bool,
+                     dtype: DTypeLike) -> tuple[jax.Array, jax.Array]:
   """Per-head inputs and router weights of FlashFFN: `jaxops.flash_ffn.route_heads` on
   x W_in. x [B, L, d], w_in [d, d], router [H, d_h, E] -> q [B, L, H, d_h] (dtype),
   r [B, L, H, E] (float32)."""
@@ -124,9 +127,9 @@ class FlashFFN(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int | None = None, num_experts: int | None = None,
                d_expert: int | None = None, *, d_ff: int | None = None, head_norm: bool = True,
-               init: str = "scaled", impl: Impl = "auto", chunk: int | None = None, interpret=None,
-               backend: str | None = None, dtype=None, param_dtype=jnp.float32,
-               rngs: nnx.Rngs):
+               init: str = "scaled", impl: Impl = "auto", chunk: int | None = None,
+               interpret: Any = None, backend: str | None = None, dtype: DTypeLike | None = None,
+               param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs) -> None:
     checks.ints("FlashFFN", dict(d_model=d_model,
                                  **checks.given(num_heads=num_heads, num_experts=num_experts,
                                                 d_expert=d_expert, d_ff=d_ff, chunk=chunk)))
@@ -174,7 +177,7 @@ class FlashFFN(nnx.Module):
     self.w_out = param(w_init(rngs.params(), (d_model, d_model), param_dtype), "heads", "embed",
                        cast=True)
 
-  def __call__(self, x):
+  def __call__(self, x: jax.Array) -> jax.Array:
     """x [..., d] -> [..., d] in the compute dtype, as SwiGLU: every token on its own.
 
     [B, L, d] goes to the kernel as it is (its batch axis may be sharded); other ranks are
@@ -257,8 +260,8 @@ class SwiGLU(nnx.Module):
   multiple of 8); LeCun-normal init; dtype: compute dtype (None: the input's).
   """
 
-  def __init__(self, d_model: int, d_ff: int | None = None, *, dtype=None,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(self, d_model: int, d_ff: int | None = None, *, dtype: DTypeLike | None = None,
+               param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs) -> None:
     d_ff = swiglu_width(d_model) if d_ff is None else d_ff
     checks.ints("SwiGLU", dict(d_model=d_model, d_ff=d_ff))
     init = jax.nn.initializers.lecun_normal()
@@ -267,7 +270,7 @@ class SwiGLU(nnx.Module):
     self.w_up = param(init(rngs.params(), (d_model, d_ff), param_dtype), "embed", "mlp")
     self.w_down = param(init(rngs.params(), (d_ff, d_model), param_dtype), "mlp", "embed")
 
-  def __call__(self, x):
+  def __call__(self, x: jax.Array) -> jax.Array:
     """x [..., d] -> [..., d]."""
     checks.features("SwiGLU", "x", x, self.w_gate.shape[0])
     dtype = self.dtype or x.dtype

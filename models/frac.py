@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 from neurips26_jax.jaxops import checks
 from neurips26_jax.jaxops import frac as frac_ops
@@ -104,11 +106,12 @@ class FRACMixer(nnx.Module):
   def __init__(self, d_model: int, *, num_heads: int, head_dim: int | None = None,
                state_dim: int = 16,
                num_modes: int | None = None, context: int = 2048, alpha_min: float = ALPHA_MIN,
-               alpha_init=None, conv_width: int = 4, impl: Impl = "auto", interpret=None,
-               backend: str | None = None,
+               alpha_init: ArrayLike | None = None, conv_width: int = 4, impl: Impl = "auto",
+               interpret: Any = None, backend: str | None = None,
                mamba2: bool = False, learn_timescale: bool = True, chunk: int | None = None,
                init: str = "default", selective_dt: bool = True,
-               dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               dtype: DTypeLike | None = None, param_dtype: DTypeLike = jnp.float32,
+               rngs: nnx.Rngs) -> None:
     checks.ints("FRACMixer", dict(d_model=d_model, num_heads=num_heads))
     if head_dim is None:
       if d_model % num_heads:
@@ -192,14 +195,14 @@ class FRACMixer(nnx.Module):
   # Head counts below come from the parameters' shapes, not `num_heads`: under
   # partitioning.shard_layer(split_heads=True) the layer holds only its local heads.
 
-  def alpha(self):
+  def alpha(self) -> jax.Array:
     """alpha_h in (alpha_min, 1), [H] float32 (1 for the Mamba-2 baseline)."""
     if self.mamba2:
       return jnp.ones(self.log_timescale.shape, _F32)
     logit = self.alpha_logit[...].astype(_F32)
     return self.alpha_min + (1.0 - self.alpha_min) * jax.nn.sigmoid(logit)
 
-  def modes(self):
+  def modes(self) -> tuple[jax.Array, jax.Array]:
     """(rates, weights) [H, M] float32; rates already times exp(log_timescale)."""
     log_timescale = self.log_timescale[...].astype(_F32)
     if not self.learn_timescale:
@@ -266,11 +269,11 @@ class FRACMixer(nnx.Module):
 
   # --------------------------------------------------------------------------- API
 
-  def __call__(self, x):
+  def __call__(self, x: jax.Array) -> jax.Array:
     """x [B, L, d] -> [B, L, d] in the compute dtype."""
     return self._output(*self.scan_output(x))
 
-  def scan_output(self, x):
+  def scan_output(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The layer up to the scan: x [B, L, d] -> (y, x_in [B, L, H, P], z [B, L, d_in]), what
     `_output` takes (`__call__` is the two; benchmarks/aot/perf_programs profiles them apart)."""
     checks.sequence("FRACMixer", "x", x, self.in_proj.shape[0])
@@ -283,7 +286,7 @@ class FRACMixer(nnx.Module):
                            chunk=self.chunk, interpret=self.interpret, backend=self.backend)
     return y, xs, z
 
-  def init_cache(self, batch: int, dtype=None):
+  def init_cache(self, batch: int, dtype: DTypeLike | None = None) -> dict[str, jax.Array]:
     """Decoding cache: the conv windows of x [B, W - 1, d_in] and of B, C [B, W - 1, 2N], and
     the state [B, H, M, N, P]."""
     checks.ints("FRACMixer.init_cache", {"batch": batch})
@@ -306,7 +309,8 @@ class FRACMixer(nnx.Module):
       raise ValueError(f"FRACMixer.step: `cache` has shapes {got}, expected {expected} for x_t "
                        f"of batch {batch}: make it with init_cache(batch={batch})")
 
-  def step(self, x_t, cache):
+  def step(self, x_t: jax.Array,
+           cache: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One token: x_t [B, d] -> (y_t [B, d], cache); equals __call__ token by token."""
     d_model = self.in_proj.shape[0]
     checks.shape("FRACMixer.step", "x_t", x_t, (None, d_model), f"[B, d_model={d_model}]")

@@ -19,7 +19,7 @@ signature per op (`call`); `CHUNKS` holds each op's one default chunk.
 from __future__ import annotations
 
 import contextlib
-from typing import Literal, get_args
+from typing import Any, Callable, Literal, get_args
 
 import jax
 from flax import nnx
@@ -79,7 +79,8 @@ BLACKWELL_DEVICE_KIND = "NVIDIA B200"
 _GPU_CUSTOM_CALLS = ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")
 
 
-def export_mlir(fn, platform: str, *args, device_kind: str = HOPPER_DEVICE_KIND) -> str:
+def export_mlir(fn: Callable[..., Any], platform: str, *args: Any,
+                device_kind: str = HOPPER_DEVICE_KIND) -> str:
   """jit(fn)(*args) lowered for `platform` ("tpu", or "cuda" for the GPU `device_kind`) from
   any machine, as StableHLO text. A "cuda" lowering without a GPU takes the device from an
   abstract mesh (Auto axes, as a deviceless compile's: tables an op computes eagerly while
@@ -97,7 +98,7 @@ def export_mlir(fn, platform: str, *args, device_kind: str = HOPPER_DEVICE_KIND)
   return exported.mlir_module()
 
 
-def kernel_body(fn, *args, platform: str | None = None,
+def kernel_body(fn: Callable[..., Any] | nnx.Module, *args: Any, platform: str | None = None,
                 device_kind: str = HOPPER_DEVICE_KIND) -> str:
   """Which kernel body fn(*args) runs, read from its lowered program: "Mosaic TPU", "Mosaic
   GPU", "Triton", or "XLA" when it calls none (the XLA path or the reference, or a kernel
@@ -181,8 +182,8 @@ OPS = {
 }
 
 
-def call(op: str, impl: str, *arrays, chunk: int | None = None, interpret=None,
-         backend: str | None = None, **options):
+def call(op: str, impl: str, *arrays: jax.Array, chunk: int | None = None, interpret: Any = None,
+         backend: str | None = None, **options: Any) -> Any:
   """OPS[op][impl](*arrays, ...) for a resolved impl ("pallas", "xla" or "reference"); the XLA
   path gets `chunk` or CHUNKS[op]; the kernel gets `backend` when one is forced."""
   if impl == "xla" and chunk is None:

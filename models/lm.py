@@ -12,10 +12,12 @@ greedy output equals the argmax of the full forward at each position.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 from neurips26_jax.jaxops import checks
 from neurips26_jax.jaxops import frac as frac_ops
@@ -30,8 +32,9 @@ from neurips26_jax.models.partitioning import constrain, param
 MIXERS = ("attention", "frac", "mamba2")
 
 
-def make_mixer(kind: str, d_model: int, num_heads: int, *, context: int, impl: str, interpret,
-               dtype, options: dict, rngs: nnx.Rngs) -> nnx.Module:
+def make_mixer(kind: str, d_model: int, num_heads: int, *, context: int, impl: str,
+               interpret: Any, dtype: DTypeLike | None, options: dict[str, Any],
+               rngs: nnx.Rngs) -> nnx.Module:
   """The sequence mixer `kind` (one of MIXERS); `options` (a model's `mixer_options`) go to its
   constructor."""
   if kind == "attention":
@@ -60,7 +63,7 @@ REMAT_POLICIES = {
 }
 
 
-def block_call(remat: str, block, x):
+def block_call(remat: str, block: Block, x: jax.Array) -> jax.Array:
   """block(x) under a LanguageModel's `remat` ("none", or one of REMAT_POLICIES: its
   activations recomputed in the backward, keeping what the policy names)."""
   if remat == "none":
@@ -105,9 +108,9 @@ class LanguageModel(nnx.Module):
 
   def __init__(self, *, d_model: int, num_layers: int, num_heads: int, context: int,
                mixer: str = "attention", ffn: str = "swiglu", mixer_options: dict | None = None,
-               ffn_options: dict | None = None, impl: Impl = "auto", interpret=None,
-               vocab_size: int = 256, remat: bool | str = "none", dtype=None,
-               rngs: nnx.Rngs):
+               ffn_options: dict | None = None, impl: Impl = "auto", interpret: Any = None,
+               vocab_size: int = 256, remat: bool | str = "none",
+               dtype: DTypeLike | None = None, rngs: nnx.Rngs) -> None:
     checks.one_of("LanguageModel", "mixer", mixer, MIXERS)
     checks.one_of("LanguageModel", "ffn", ffn, FFNS)
     impl = resolve_impl("LanguageModel", impl)
@@ -134,7 +137,7 @@ class LanguageModel(nnx.Module):
     self.head = param(jax.random.normal(rngs.params(), (d_model, vocab_size)) * d_model ** -0.5,
                       "embed", "vocab")
 
-  def logits(self, features):
+  def logits(self, features: jax.Array) -> jax.Array:
     """Final features [..., d] (`features`) -> logits [..., V] float32."""
     return jnp.einsum("...d,dv->...v", features, self.head[...].astype(features.dtype),
                       preferred_element_type=jnp.float32)
@@ -147,11 +150,11 @@ class LanguageModel(nnx.Module):
     checks.values(owner, name, tokens, lambda t: (t >= 0) & (t < vocab),
                   f"hold token ids in [0, vocab_size={vocab})")
 
-  def __call__(self, tokens):
+  def __call__(self, tokens: jax.Array) -> jax.Array:
     """tokens [B, L] int -> logits [B, L, V] float32."""
     return constrain(self.logits(self.features(tokens)), ("batch", "seq", "act_vocab"))
 
-  def features(self, tokens):
+  def features(self, tokens: jax.Array) -> jax.Array:
     """tokens [B, L] int -> the final normalized features [B, L, d] that `logits` (the
     head, `self.head` [d, V]) reads: a loss over a large vocabulary takes them and computes
     the logits a chunk at a time (`train.losses.chunked_cross_entropy`)."""
@@ -164,11 +167,12 @@ class LanguageModel(nnx.Module):
       x = block_call(self.remat, block, x)
     return self.norm(x)
 
-  def init_cache(self, batch: int):
+  def init_cache(self, batch: int) -> list[dict[str, jax.Array]]:
     """Per-block decoding caches (KV cache for attention, bounded state for FRAC)."""
     return [block.mixer.init_cache(batch) for block in self.blocks]
 
-  def step(self, token_t, cache):
+  def step(self, token_t: jax.Array,
+           cache: list[dict[str, jax.Array]]) -> tuple[jax.Array, list[dict[str, jax.Array]]]:
     """token_t [B] int -> (logits_t [B, V] float32, cache)."""
     self._check_tokens("LanguageModel.step", "token_t", token_t, 1, "[B]")
     x = self.embed[...][token_t].astype(self.dtype or jnp.float32)
@@ -178,7 +182,8 @@ class LanguageModel(nnx.Module):
       new_cache.append(c)
     return self.logits(self.norm(x)), new_cache
 
-  def generate(self, prompt, num_tokens: int, *, temperature: float = 0.0, seed: int = 0):
+  def generate(self, prompt: ArrayLike, num_tokens: int, *, temperature: float = 0.0,
+               seed: int = 0) -> jax.Array:
     """Continue `prompt` [B, P] int by `num_tokens` tokens, one at a time -> [B, P + num_tokens].
 
     The prompt is fed through `step` too (recurrent prefill). temperature 0 is greedy (argmax).

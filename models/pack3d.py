@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 from neurips26_jax.jaxops import checks
 from neurips26_jax.jaxops import pack3d_levels as levels_lib
@@ -83,14 +84,15 @@ class Pack3DAttention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, *, block_shape: Sequence[int] = (4, 4, 4),
                radius_blocks: int = 1, position: Position = "axial_rope", impl: Impl = "auto",
-               interpret=None, backend: str | None = None, max_len: int | None = None,
+               interpret: Any = None, backend: str | None = None, max_len: int | None = None,
                block_bias: bool = True,
                merge: str = "joint", rotate_summaries: str = "before", rope_theta: float = 10000.0,
                spacing: Sequence[float] = (1.0, 1.0, 1.0), max_cubes: int | None = None,
-               far_offset: bool = False, levels: int = 1, level_radius=None,
+               far_offset: bool = False, levels: int = 1,
+               level_radius: int | Sequence[int] | None = None,
                max_top_cubes: int | None = None, level_key_gain: float | None = None,
-               dtype=None,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
+               dtype: DTypeLike | None = None,
+               param_dtype: DTypeLike = jnp.float32, rngs: nnx.Rngs) -> None:
     owner = "Pack3DAttention"
     checks.ints(owner, dict(d_model=d_model, num_heads=num_heads,
                             **checks.given(max_len=max_len, max_cubes=max_cubes,
@@ -155,7 +157,7 @@ class Pack3DAttention(nnx.Module):
                            max_cubes=self.max_cubes, interpret=self.interpret,
                            backend=self.backend, **kwargs)
 
-  def __call__(self, x, coords, field_ids):
+  def __call__(self, x: jax.Array, coords: ArrayLike, field_ids: ArrayLike) -> jax.Array:
     """x [B, N, d], coords int [B, N, 3], field_ids int [B, N] -> [B, N, d] (compute dtype)."""
     d_model = self.w_qkv.shape[0]
     checks.sequence("Pack3DAttention", "x", x, d_model)

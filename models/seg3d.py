@@ -11,11 +11,12 @@ Many volumes of different shapes go in one item: only (coords, field_ids) tell t
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 from neurips26_jax.jaxops import checks, packing
 from neurips26_jax.models.block import FFNS, Block, make_ffn
@@ -44,7 +45,8 @@ class Pack3DSegmenter(nnx.Module):
   def __init__(self, *, patch: Sequence[int] = (4, 4, 4), in_channels: int = 1,
                num_classes: int, d_model: int, depth: int, num_heads: int, ffn: str = "swiglu",
                ffn_options: dict | None = None, attention_options: dict | None = None,
-               impl: Impl = "auto", interpret=None, dtype=None, rngs: nnx.Rngs):
+               impl: Impl = "auto", interpret: Any = None, dtype: DTypeLike | None = None,
+               rngs: nnx.Rngs) -> None:
     # lazy: Pack3D's own module
     from neurips26_jax.models.pack3d import Pack3DAttention  # noqa: PLC0415
     checks.one_of("Pack3DSegmenter", "ffn", ffn, FFNS)
@@ -67,7 +69,7 @@ class Pack3DSegmenter(nnx.Module):
     self.head = param(jax.random.normal(rngs.params(), (d_model, voxels * num_classes))
                       * d_model ** -0.5, "embed", "vocab")
 
-  def __call__(self, tokens, coords, field_ids):
+  def __call__(self, tokens: jax.Array, coords: ArrayLike, field_ids: ArrayLike) -> jax.Array:
     """tokens [B, N, p^3 C], coords int [B, N, 3], field_ids int [B, N] -> [B, N, p^3, K]."""
     checks.sequence("Pack3DSegmenter", "tokens", tokens, self.embed.shape[0], "p^3 C")
     dtype = self.dtype or jnp.float32
@@ -79,7 +81,8 @@ class Pack3DSegmenter(nnx.Module):
     return logits.reshape(*logits.shape[:2], math.prod(self.patch), self.num_classes)
 
 
-def voxel_logits(token_logits, shapes: Sequence[Sequence[int]], patch: Sequence[int]):
+def voxel_logits(token_logits: jax.Array, shapes: Sequence[Sequence[int]],
+                 patch: Sequence[int]) -> list[jax.Array]:
   """One item's token logits [N, p^3, K] (fields packed in order, as `pack_fields` does, padding
   after) -> a list of voxel logits [Z_i, Y_i, X_i, K] for fields of voxel `shapes`."""
   grids = [tuple(s // p for s, p in zip(shape, patch)) for shape in shapes]

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from neurips26_jax.jaxops import checks
 from neurips26_jax.models.norm import RMSNorm
@@ -30,12 +31,13 @@ def _conv(conv_class, c_in: int, c_out: int, kernel_size, **kwargs) -> nnx.Modul
 class ConvBlock(nnx.Module):
   """Two (3x3x3 conv -> RMSNorm over channels -> SiLU)."""
 
-  def __init__(self, c_in: int, c_out: int, *, dtype, rngs: nnx.Rngs):
+  def __init__(self, c_in: int, c_out: int, *, dtype: DTypeLike | None,
+               rngs: nnx.Rngs) -> None:
     self.convs = nnx.List([_conv(nnx.Conv, c, c_out, (3, 3, 3), dtype=dtype, rngs=rngs)
                            for c in (c_in, c_out)])
     self.norms = nnx.List([RMSNorm(c_out), RMSNorm(c_out)])
 
-  def __call__(self, x):
+  def __call__(self, x: jax.Array) -> jax.Array:
     for conv, norm in zip(self.convs, self.norms):
       x = jax.nn.silu(norm(conv(x)))
     return x
@@ -54,7 +56,7 @@ class UNet3D(nnx.Module):
   """
 
   def __init__(self, *, in_channels: int = 1, num_classes: int, base_channels: int = 16,
-               levels: int = 3, dtype=None, rngs: nnx.Rngs):
+               levels: int = 3, dtype: DTypeLike | None = None, rngs: nnx.Rngs) -> None:
     checks.ints("UNet3D", dict(in_channels=in_channels, num_classes=num_classes,
                                base_channels=base_channels, levels=levels))
     ch = [base_channels * 2 ** l for l in range(levels)]
@@ -67,7 +69,7 @@ class UNet3D(nnx.Module):
                            for l in range(levels - 1)])
     self.out = _conv(nnx.Conv, ch[0], num_classes, (1, 1, 1), dtype=dtype, rngs=rngs)
 
-  def __call__(self, image):
+  def __call__(self, image: jax.Array) -> jax.Array:
     """image [B, Z, Y, X, C] -> logits [B, Z, Y, X, K] float32."""
     factor, channels = 2 ** (self.levels - 1), self.down[0].convs[0].in_features
     if (image.ndim != 5 or image.shape[-1] != channels or 0 in image.shape

@@ -5,11 +5,16 @@ run's workdir to its model:
   train.evaluate(model, config)                   # {"eval_loss": ...}, as the trainer logs it
 """
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the lazy exports' own signatures, for type checkers (no import at run time)
+  from neurips26_jax.train.inference import evaluate, load_config, load_model
+
 _EXPORTS = {name: "neurips26_jax.train.inference"
             for name in ("load_model", "load_config", "evaluate")}
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
   """The exports above, imported on first use (importing `train` itself stays free)."""
   if name in _EXPORTS:
     import importlib  # noqa: PLC0415

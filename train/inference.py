@@ -55,7 +55,7 @@ def load_config(workdir: str | pathlib.Path) -> ConfigDict:
     raise UsageError(f"--workdir={workdir}: {path} is not a JSON config ({e})") from None
 
 
-def task_module(config) -> types.ModuleType:
+def task_module(config: ConfigDict) -> types.ModuleType:
   """train.lm_task or train.seg3d_task, whichever trains the model config.model describes."""
   # they import this module's callers
   from neurips26_jax.train import lm_task, seg3d_task  # noqa: PLC0415
@@ -67,7 +67,7 @@ def task_module(config) -> types.ModuleType:
                    f"segmenter): fields {sorted(config.model.keys())}")
 
 
-def inference_config(config) -> ConfigDict:
+def inference_config(config: ConfigDict) -> ConfigDict:
   """config with its mesh kept if it fits this machine's devices, else one device."""
   config = ConfigDict(config.to_dict())
   try:
@@ -116,7 +116,7 @@ def restore_params(model: nnx.Module, workdir: str | pathlib.Path,
   return nnx.merge(graphdef, params, rest), step
 
 
-def evaluate(model: nnx.Module, config) -> dict[str, float]:
+def evaluate(model: nnx.Module, config: ConfigDict) -> dict[str, float]:
   """{"eval_loss", ...} of `model` as the trainer computes them: the mean over
   config.eval_batches batches of the evaluation split (eval_accuracy, eval_dice where the task
   has them)."""

@@ -24,6 +24,7 @@ on the lane axis (see `tiles.py`), never the [T, H, E] form a TPU pads to 128 la
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -154,8 +155,9 @@ def _mhffn_routed_bwd(cfg, normalize, residuals, ds):
 _mhffn_routed.defvjp(_mhffn_routed_fwd, _mhffn_routed_bwd)
 
 
-def mhffn_routed(q, w_r, k, u, v, *, gain=None, normalize: bool = True, interpret=None,
-                 backend: Backend | None = None, **block_sizes):
+def mhffn_routed(q: jax.Array, w_r: jax.Array, k: jax.Array, u: jax.Array, v: jax.Array, *,
+                 gain: jax.Array | None = None, normalize: bool = True, interpret: Any = None,
+                 backend: Backend | None = None, **block_sizes: int) -> jax.Array:
   """FlashFFN's head norm (with its gain), router and mixture from W_in's output,
   differentiable in every array.
 
@@ -197,7 +199,9 @@ def mhffn_routed(q, w_r, k, u, v, *, gain=None, normalize: bool = True, interpre
   return _mhffn_routed(q, w_r, k, u, v, gain, cfg, normalize)
 
 
-def mhffn(q, r, k, u, v, *, interpret=None, backend: Backend | None = None, **block_sizes):
+def mhffn(q: jax.Array, r: jax.Array, k: jax.Array, u: jax.Array, v: jax.Array, *,
+          interpret: Any = None, backend: Backend | None = None,
+          **block_sizes: int) -> jax.Array:
   """Fused multi-head FFN, differentiable in all five inputs.
 
   Args:

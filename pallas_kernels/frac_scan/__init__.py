@@ -26,6 +26,9 @@ inputs on Hopper with a chunk of 64, has run on no chip, so it is opt-in:
 from __future__ import annotations
 
 import functools
+from typing import Any
+
+import jax
 
 from neurips26_jax.jaxops.frac import check_scan_inputs, scan_vjp, zero_state
 from neurips26_jax.jaxops.frac_chunk import TilePlan
@@ -74,8 +77,10 @@ def _plan(x, b, rates, chunk, backend) -> TilePlan:
   return make(32)
 
 
-def frac_scan(x, dt, b, c, rates, weights, initial_state=None, *, chunk: int | None = None,
-              interpret=None, backend: Backend | None = None, **block_sizes):
+def frac_scan(x: jax.Array, dt: jax.Array, b: jax.Array, c: jax.Array, rates: jax.Array,
+              weights: jax.Array, initial_state: jax.Array | None = None, *,
+              chunk: int | None = None, interpret: Any = None, backend: Backend | None = None,
+              **block_sizes: int) -> tuple[jax.Array, jax.Array]:
   """Chunked multi-mode scan as a Pallas kernel; arguments and result as
   `jaxops.frac.frac_scan_reference`, differentiable in every float input.
 

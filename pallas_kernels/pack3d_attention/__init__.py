@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from neurips26_jax.jaxops import pack3d_levels as levels_lib
 from neurips26_jax.jaxops.pack3d import MASK, check_pack3d_inputs, cube_summaries
@@ -191,12 +193,15 @@ def _level_summaries(layout, kbar, vbar, rows, levels: int, max_top_cubes, key_g
           level_slots[-1])
 
 
-def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
-                     radius_blocks: int = 1, block_bias: bool = True, summary_rope=None,
-                     far_offset=None, max_cubes: int | None = None, levels: int = 1,
-                     level_radius=None, max_top_cubes: int | None = None,
-                     level_key_gain: float | None = None, interpret=None,
-                     backend: Backend | None = None, **block_sizes):
+def pack3d_attention(q: jax.Array, k: jax.Array, v: jax.Array, coords: ArrayLike,
+                     field_ids: ArrayLike, *, block_shape: Sequence[int] = (4, 4, 4),
+                     radius_blocks: int = 1, block_bias: bool = True,
+                     summary_rope: dict[str, Any] | None = None,
+                     far_offset: ArrayLike | None = None, max_cubes: int | None = None,
+                     levels: int = 1, level_radius: int | Sequence[int] | None = None,
+                     max_top_cubes: int | None = None, level_key_gain: float | None = None,
+                     interpret: Any = None, backend: Backend | None = None,
+                     **block_sizes: int) -> jax.Array:
   """Pack3D attention as Pallas kernels, differentiable in q, k, v (and far_offset).
 
   Args:
@@ -234,9 +239,13 @@ def pack3d_attention(q, k, v, coords, field_ids, *, block_shape=(4, 4, 4),
   return finish(attend(*operands, cfg, options))
 
 
-def kernel_operands(q, k, v, coords, field_ids, *, block_shape, radius_blocks, block_bias,
-                    summary_rope, far_offset, max_cubes, levels, level_radius, max_top_cubes,
-                    level_key_gain, interpret, backend, **block_sizes):
+def kernel_operands(q: jax.Array, k: jax.Array, v: jax.Array, coords: ArrayLike,
+                    field_ids: ArrayLike, *, block_shape: Sequence[int], radius_blocks: int,
+                    block_bias: bool, summary_rope: dict[str, Any] | None,
+                    far_offset: ArrayLike | None, max_cubes: int | None, levels: int,
+                    level_radius: int | Sequence[int] | None, max_top_cubes: int | None,
+                    level_key_gain: float | None, interpret: Any, backend: Backend | None,
+                    **block_sizes: int) -> tuple[tuple, KernelConfig, tuple, Callable]:
   """`pack3d_attention`'s XLA stage: checks, the cube layout, slots and summaries.
 
   Returns (operands, cfg, options, finish): `attend(*operands, cfg, options)` runs the
