@@ -11,7 +11,7 @@ LOWEST_CONSTRAINTS := constraints/py311-jax010.txt
 
 .PHONY: setup setup-lowest test test-lowest test-slow mutants demo bench clean aot-setup \
         compile-check compile-check-tpu compile-check-gpu memory-aot lock perf-tpu \
-        perf-tpu-sweep sass sass-setup
+        perf-tpu-sweep sass sass-setup scale-check
 
 setup:
 	@tools/venv.sh $(VENV) 3.12 $(CONSTRAINTS) dev
@@ -95,6 +95,16 @@ perf-tpu: setup $(AOT_TPU)
 
 perf-tpu-sweep: setup $(AOT_TPU)
 	$(PY) -m benchmarks.aot.perf --sweep
+
+# The paper-size language models' whole sharded train step, compiled deviceless for a v5e-16
+# (benchmarks/aot/scale.py): each size as attention + SwiGLU and FRAC + FlashFFN must fit the
+# chips' HBM with 10% headroom. ~15-30 min on 2 cores; not in CI.
+SCALE_SIZES := 125m 370m 1.3b
+scale-check: setup $(AOT_TPU)
+	@for size in $(SCALE_SIZES); do for arm in "attention swiglu" "frac flashffn"; do \
+	  set -- $$arm; echo "== lm_paper:$$size $$1 + $$2"; \
+	  PYTHONPATH=. .venv-aot-tpu/bin/python -m benchmarks.aot.scale --config=lm_paper:$$size \
+	    --mixer=$$1 --ffn=$$2 || exit 1; done; done
 
 # FlashFFN vs SwiGLU fwd+bwd memory from the TPU and GPU compilers' memory analysis.
 memory-aot: aot-setup

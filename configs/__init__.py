@@ -5,6 +5,7 @@ or the path of a config file of your own (`--config=my_configs/big.py`).
 """
 
 import pathlib
+import runpy
 
 _HERE = pathlib.Path(__file__).parent
 
@@ -21,3 +22,11 @@ def resolve(spec: str) -> str:
   if name in names():
     return f"{_HERE / name}.py{sep}{arg}"
   return spec
+
+
+def load(spec: str):
+  """The ConfigDict --config's value names: "lm_paper:370m" -> lm_paper.get_config("370m"),
+  "my/config.py" -> that file's get_config()."""
+  path, _, arg = resolve(spec).partition(":")
+  get_config = runpy.run_path(path)["get_config"]
+  return get_config(arg) if arg else get_config()

@@ -7,7 +7,7 @@ Tasks (experiments.memory_tasks):
   lag_recall  L = 2176, lags 1, 2, 4, ..., 2048 (token 0 names the lag), 14 data symbols,
               every lag scored on positions 2049..2175; accuracy per lag.
               A dense delay-line task: no SSM readout can address lag > conv width (see
-              configs/exp_frac_memory_diag.py and RESULTS.md); kept for the record.
+              configs/exp_frac_memory_diag.py and the repository's RESULTS.md); kept for the record.
   value_recall  L = 2112: a marker, one value, random distractors, and a query at 1 + lag
               for every lag 1, 2, 4, ..., 2048 (target: the value); accuracy per lag. The
               memory-length probe.

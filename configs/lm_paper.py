@@ -1,5 +1,5 @@
-"""Language models at the FlashFFN paper's sizes, for a TPU slice (and `benchmarks/aot/scale.py`,
-which compiles their train step for one without the chips).
+"""Language models at the FlashFFN paper's sizes, for a TPU slice (and the repository's
+`benchmarks/aot/scale.py`, which compiles their train step for one without the chips).
 
   neurips26-train-lm --config=lm_paper:370m --workdir=gs://.../run \
       --config.model.ffn=swiglu --config.model.mixer=frac
@@ -14,8 +14,8 @@ bytes, ids < 256, until a tokenizer is plugged in), context 4,096, bf16 compute 
 parameters, every block rematerialised keeping its mixer's core (remat "mixer": 9-10% shorter
 steps than "full" at 125M on v5e-16, and every size fits a v5e-16 at 4k; at 32k a FRAC model's
 chunk-start states make it 2x the memory of "full", so there pass
-`--config.model.remat=full`; benchmarks/README.md), the batch and the parameters split over
-every chip (fsdp), AdamW at GPT-3's learning rate for the size.
+`--config.model.remat=full`; the repository's benchmarks/README.md), the batch and the
+parameters split over every chip (fsdp), AdamW at GPT-3's learning rate for the size.
 """
 
 import ml_collections

@@ -73,7 +73,7 @@ def soe_modes(alpha: ArrayLike, *, num_modes: int | None = None, context: int,
   - kernel="power", (1 + u)^(-alpha): rho(s) = s^(alpha-1) e^(-s) / Gamma(alpha), so
     w_j = h exp(alpha ln s_j - s_j - lnGamma(alpha)); tail weight b^alpha/Gamma(alpha+1),
     tail rate b alpha/(alpha+1). Within 0.2% of the target for u <= context and 0.4%
-    for u <= 4 context when alpha is in [0.2, 0.8] (tests/test_frac_modes.py).
+    for u <= 4 context when alpha is in [0.2, 0.8] (both tested).
   - kernel="mittag_leffler", the relaxation E_alpha(-u^alpha) (alpha < 1):
     rho(s) = sin(pi alpha) s^(alpha-1) / (pi (s^(2 alpha) + 2 s^alpha cos(pi alpha) + 1)).
     Its spectrum has mass sin(pi alpha) s_max^(-alpha) / (pi alpha) above s_max, rates

@@ -2,9 +2,10 @@
 
 The chunked XLA path (`jaxops.frac.frac_scan`, vmapped over groups) and the Mosaic and
 Triton kernels (`pallas_kernels.frac_scan`) run these same functions (the Mosaic GPU kernel
-computes the same terms in its own transposed WGMMA tiles: `frac_scan/mosaic_gpu.py`). They
-use only ops both Pallas backends lower: 2-D matmuls, elementwise math, masked row and
-column sums (no cumsum, no slicing of values, no integer division).
+computes the same terms in its own transposed WGMMA tiles:
+`pallas_kernels/frac_scan/mosaic_gpu.py`). They use only ops both Pallas backends lower: 2-D
+matmuls, elementwise math, masked row and column sums (no cumsum, no slicing of values, no
+integer division).
 
 One group g = (batch element, head), one chunk of Q tokens and one block of p columns
 of the head width P (the columns are independent: Triton splits them across programs to

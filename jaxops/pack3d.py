@@ -144,7 +144,7 @@ def per_token_cube_sum(x: jax.Array, cube_id: jax.Array) -> jax.Array:
   A segment sum (scatter-add), not a matmul with a [N, N] same-cube matrix: how a GPU's
   GEMM library splits a contraction is its autotuner's choice, one place where the
   reference can differ between chips (it did between CPU and an H200, cause not yet
-  found: benchmarks/README.md, GPU check); an add per token has no such freedom.
+  found: the repository's benchmarks/README.md, GPU check); an add per token has no such freedom.
   """
   one = lambda x, ids: jax.ops.segment_sum(x.astype(_F32), ids, num_segments=ids.shape[0])[ids]
   return jax.vmap(one)(x, cube_id)

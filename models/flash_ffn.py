@@ -103,7 +103,7 @@ class FlashFFN(nnx.Module):
       V ~ N(0, E/d_e): fan-in d_e, times E because at init the router weights are ~1/E and
       average E independent sub-network outputs, which divides their variance by E. Output
       and input-gradient RMS at init then match a SwiGLU's of the same d and parameter count
-      within 2x for d_h 32-128 and E 1-11 (tests/test_flash_ffn.py, benchmarks/init_scale.py).
+      within 2x for d_h 32-128 and E 1-11 (tested; the repository's benchmarks/init_scale.py).
       init="paper" is FlashMHF's: W_in, W_out Xavier-uniform gain 0.707, K, U, V ~ N(0, 0.02),
       chosen at d_h = 128 and blind to the widths (its output starts 200-800x smaller than a
       SwiGLU's at d = 128). The router is truncated-normal(0.02) and the norm gain 1 in both.
@@ -228,7 +228,7 @@ def _ordered_layer(x, w_in, router, k, u, v, gain, w_out, mixture: _Mixture):
   and o's cotangent first, so o is dead before the op's backward runs, which then holds two
   [L, d] buffers beside the tables: q, and o's cotangent (the Mosaic kernel overwrites it with
   dq). Plain autodiff leaves that order to XLA, which at 32k float32 tokens kept o alive
-  through the op's backward (benchmarks/README.md, FlashFFN memory).
+  through the op's backward (the repository's benchmarks/README.md, FlashFFN memory).
   """
   return _layer_fwd(x, w_in, router, k, u, v, gain, w_out, mixture)[0]
 

@@ -76,7 +76,7 @@ class LanguageModel(nnx.Module):
 
   Every size below the four required ones has a default, so `LanguageModel(d_model=,
   num_layers=, num_heads=, context=)` builds with any mixer and FFN, and every such model has
-  the parameter count of the attention + SwiGLU one within 2% (tests/test_lm.py):
+  the parameter count of the attention + SwiGLU one within 2% (a tested rule):
     - attention: heads of width d / num_heads.
     - frac, mamba2: num_heads heads of width P = d / num_heads (d_in = d), N = 16
       (see `models.frac.FRACMixer`).

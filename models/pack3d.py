@@ -58,8 +58,9 @@ class Pack3DAttention(nnx.Module):
       head's far-vs-local balance. A vector, so never weight-decayed (`train.optim`).
       Off by default: the paper's fixed bias stays the default unless an experiment shows the
       offset trains better, and on the far-context task it did not (object accuracy +0.001,
-      95% interval [-0.003, +0.006] over 3 seeds; RESULTS.md section 5). With merge "gated" the offset cancels inside the separately
-      normalized far branch (no effect, gradient 0); with "local" there is no far branch.
+      95% interval [-0.003, +0.006] over 3 seeds; the repository's RESULTS.md section 5).
+      With merge "gated" the offset cancels inside the separately normalized far branch (no
+      effect, gradient 0); with "local" there is no far branch.
     levels, level_radius: the multi-level far field (DESIGN.md section 3.1): levels = 1 (the
       default) is the paper's single level; with levels >= 2 farther cubes are summarized by
       coarser cubes (level k: 2^(k-1) block_shape per axis), level_radius the radii r_2..r_L

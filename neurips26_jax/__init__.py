@@ -11,7 +11,8 @@ repository's top-level folders (the build maps `neurips26_jax.<folder>` onto `<f
 
   >>> from neurips26_jax import FlashFFN, FRACMixer, LanguageModel, Pack3DAttention
 
-The layers are imported on first use, so `import neurips26_jax` stays cheap.
+The layers are imported on first use, so `import neurips26_jax` stays cheap. DESIGN.md, the
+math and rules that docstrings cite by section ("DESIGN.md section 4"), ships beside this file.
 """
 
 import importlib

@@ -14,8 +14,9 @@ for the ops listed with it) and was measured faster than Triton on such a chip
 Block sizes come from each op's table of tuned entries, keyed by (backend, chip, dtype)
 (levanter's `tuned_block_sizes`); every entry is compiled by `make compile-check` for its
 chip. The chip is read from `jax.devices()` when the program runs on a TPU or GPU; a
-deviceless compile (benchmarks/aot) names it with `target_chip`. An unknown chip gets the
-backend's generic entry, which is the smallest chip's (A100, v5e) and so fits them all.
+deviceless compile (the repository's benchmarks/aot) names it with `target_chip`. An unknown
+chip gets the backend's generic entry, which is the smallest chip's (A100, v5e) and so fits
+them all.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def mosaic_gpu_dtype_ok(dtype) -> bool:
   """Whether the Mosaic GPU kernels run for inputs of `dtype` on a real chip: 16-bit only.
   On an H200 (jax 0.11.2) FlashFFN's float32 kernels fault (CUDA_ERROR_MISALIGNED_ADDRESS)
   although the interpreter runs them exactly; bfloat16 matched the reference there
-  (benchmarks/README.md, GPU check)."""
+  (the repository's benchmarks/README.md, GPU check)."""
   return jnp.dtype(dtype).itemsize == 2
 
 

@@ -7,9 +7,11 @@ test runs a fresh interpreter with PYTHONPATH = <user project>:<install dir>:<th
 site-packages> under -S, so the clone's editable install (a .pth file) is not in play.
 """
 
+import ast
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -139,3 +141,32 @@ def test_a_config_path_that_is_not_there_is_one_line(installed):
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
     assert out.stderr.startswith("error: --config=configs/lm_default.py: no such config file")
     assert "--config=lm_default" in out.stderr
+
+
+# Names in docstrings that look like paths but are no file of this project: run outputs,
+# examples of a user's own file, another project's module.
+NOT_OURS = {"workdir/config.json", "workdir/metrics.jsonl", "my/config.py", "my_configs/big.py",
+            "mamba_ssm/modules/mamba2.py"}
+CITATION = re.compile(r"(?<![\w./-])((?:[\w-]+/)+[\w.-]+\.(?:py|md|json|jsonl)|[\w-]+\.md)\b")
+
+
+def test_what_the_docstrings_cite_is_installed(installed):
+  """`help(...)` in an install: a file a docstring cites is in the package, or is said to be
+  the repository's (benchmarks, results and tests are not installed)."""
+  target, _ = installed
+  package = target / "neurips26_jax"
+  missing = []
+  for source in package.rglob("*.py"):
+    tree = ast.parse(source.read_text())
+    for node in ast.walk(tree):
+      if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+        continue
+      doc = ast.get_docstring(node) or ""
+      for match in CITATION.finditer(doc):
+        cited = match[1].removeprefix("neurips26_jax/")
+        said = " ".join(doc[max(0, match.start() - 20):match.start()].replace("`", "").split())
+        if (cited in NOT_OURS or said.endswith("the repository's")
+            or (package / cited).exists() or (source.parent / cited).exists()):
+          continue
+        missing.append(f"{source.relative_to(target)}: {cited}")
+  assert not missing, missing

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-SECTIONS = ["## API", "### FlashFFN in your NNX block", "### Pack3D on a raw volume",
+SECTIONS = ["## In your project", "## API", "### FlashFFN in your NNX block", "### Pack3D on a raw volume",
             "### Any layer in Linen", "### From a workdir back to the model"]
 
 

@@ -920,6 +920,32 @@ MUTANTS = [
     m("perf_reading_ignores_hbm_floor", "benchmarks/aot/perf.py",
       "read_us=max(estimate, floor)", "read_us=estimate",
       "tests/test_perf_tpu.py::test_reading_takes_the_larger_of_estimate_and_hbm_floor"),
+    # ------------------------------------------------------------------ the installed package
+    m("config_name_not_resolved", "configs/__init__.py",
+      "  if name in names():\n", "  if False:\n",
+      "tests/test_cli.py::test_training_prints_the_parameter_count_and_training_rates"),
+    m("config_load_error_not_caught", "train/cli.py",
+      "    configs.load(spec)\n", "    pass\n",
+      "tests/test_trainer_binary_errors.py::test_bad_input_is_one_clear_line"),
+    m("data_path_kept_relative", "train/lm_task.py",
+      "config.data.path = os.path.abspath(config.data.path)",
+      "config.data.path = config.data.path",
+      "tests/test_installed_package.py::"
+      "test_console_script_trains_a_packaged_config_and_the_workdir_loads_back"),
+    m("frac_step_cache_unchecked", "models/frac.py",
+      "    self._check_cache(cache, x_t.shape[0])\n", "",
+      "tests/test_bad_inputs.py::test_bad_input_names_the_argument"),
+    m("layer_options_unchecked", "jaxops/checks.py",
+      "  if unknown := sorted(set(given) - takes):", "  if unknown := []:",
+      "tests/test_bad_inputs.py::test_bad_input_names_the_argument"),
+    m("kernel_body_answers_xla_for_a_tpu", "models/impl.py",
+      "if platform not in (None, jax.default_backend()) and on_xla:",
+      "if platform not in (None, jax.default_backend()) and not on_xla:",
+      "tests/test_bad_inputs.py::test_bad_input_names_the_argument",
+      "tests/test_kernel_table.py::test_kernel_body_answers_for_other_chips_from_this_machine"),
+    m("pack_fields_width_unchecked", "jaxops/packing.py",
+      "  if width is not None and lead[-1] != width:", "  if False:",
+      "tests/test_bad_inputs.py::test_bad_input_names_the_argument"),
 ]
 
 

@@ -25,7 +25,6 @@ also while waiting for the other processes of a multi-host run.
 
 import os
 import re
-import runpy
 import signal
 import sys
 from typing import Callable
@@ -76,13 +75,6 @@ def _config_spec(argv: list[str]) -> str:
   return next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
 
 
-def _load(spec: str) -> ConfigDict:
-  """A config file's get_config(), with the argument after ":" if the spec has one."""
-  path, _, arg = spec.partition(":")
-  get_config = runpy.run_path(path)["get_config"]
-  return get_config(arg) if arg else get_config()
-
-
 def _with_packaged_configs(argv: list[str]) -> list[str]:
   """--config=NAME[:arg] naming a packaged config -> its file. UsageError for a file that is
   not there or a config that does not load (before ml_collections, which would raise from
@@ -98,7 +90,7 @@ def _with_packaged_configs(argv: list[str]) -> list[str]:
         f"--config={given.partition(':')[0]}: no such config file; a packaged config is named "
         f"without a path or .py (--config=lm_default), one of {', '.join(configs.names())}")
   try:
-    _load(spec)
+    configs.load(spec)
   except Exception as e:  # noqa: BLE001  (the user's file: any error in it is bad input)
     last = (str(e).strip().splitlines() or [""])[-1]
     raise errors.UsageError(f"--config={given}: loading it raised {type(e).__name__}: "
@@ -109,7 +101,7 @@ def _with_packaged_configs(argv: list[str]) -> list[str]:
 def _unknown_field(argv: list[str]) -> str:
   """Which --config.<path>=... override names no field of the config file, in words."""
   config_file = _config_spec(argv)
-  config = _load(config_file)
+  config = configs.load(config_file)
   for override in re.findall(r"^--config\.([^=]+)", "\n".join(argv), re.M):
     node, parts = config, override.split(".")
     for i, key in enumerate(parts):
@@ -139,7 +131,7 @@ def _unknown_flag(error: flags.UnrecognizedFlagError, argv: list[str]) -> str:
             "sample modes the one the run was trained with, whose saved fields the "
             "overrides then replace)")
   try:
-    config = _load(config_file) if config_file else None
+    config = configs.load(config_file) if config_file else None
   except Exception:  # noqa: BLE001  (the hint is optional; the error stands without it)
     config = None
   node = config

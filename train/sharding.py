@@ -72,7 +72,7 @@ def optimizer_shardings(tx, params, mesh: Mesh):
   and nu) sharded as its parameter, the rest (step counts) replicated. Without them jit
   places tx.init's zeros as it likes, and it replicated the whole optimizer state on every
   device (2/3 of a ZeRO-sharded train state: 1.0 of 1.05 GiB per chip for a 135M model on
-  16 chips, benchmarks/aot/scale.py)."""
+  16 chips, the repository's benchmarks/aot/scale.py)."""
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
   return optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params),
                                param_shardings,

@@ -274,11 +274,11 @@ def _lm_step_part(part: str, dtype, spec: dict, direction: str) -> Program:
   import jax.numpy as jnp
   from flax import nnx
 
-  from benchmarks.aot.scale import load_config
+  from neurips26_jax import configs
   from neurips26_jax.models import LanguageModel
   from neurips26_jax.train import losses
   from neurips26_jax.train.losses import chunked_cross_entropy
-  kwargs = dict(load_config(spec["config"]).model.to_dict(), num_layers=1, impl="pallas")
+  kwargs = dict(configs.load(spec["config"]).model.to_dict(), num_layers=1, impl="pallas")
   kwargs.update({k: spec[k] for k in ("mixer", "ffn", "context", "remat") if spec.get(k)})
   jax.scipy.special.gammaln = _stirling_gammaln
   model = nnx.eval_shape(lambda: LanguageModel(**kwargs, interpret=False, dtype=dtype,

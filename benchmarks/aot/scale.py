@@ -6,27 +6,29 @@ parameters' sharding rules of `models.partitioning`, the batch over data x fsdp)
 by libtpu. The model is a config's (`configs/lm_paper.py:<size>` by default), with its mixer,
 FFN, context and remat overridable. Reports per chip what `memory_analysis()` says
 (arguments: parameters, optimizer state and batch; outputs; temporaries), whether it fits the
-chip's HBM with 10% headroom, and the collectives in the optimized HLO (kind: count). The
-step time comes from single-chip parts (`step_estimate.py`): libtpu's static profile of a
-multi-chip program is not trusted (it gave one fusion's cycles for a whole sharded step). Run in .venv-aot-tpu:
+chip's HBM with 10% headroom (exit status 1 if not), and the collectives in the optimized HLO
+(kind: count). The step time comes from single-chip parts (`step_estimate.py`): libtpu's
+static profile of a multi-chip program is not trusted (it gave one fusion's cycles for a whole
+sharded step). Run in .venv-aot-tpu (`make scale-check` runs each paper size):
 
   PYTHONPATH=. .venv-aot-tpu/bin/python -m benchmarks.aot.scale \\
-      --config=configs/lm_paper.py:370m --mixer=frac --ffn=flashffn --context=32768
+      --config=lm_paper:370m --mixer=frac --ffn=flashffn --context=32768
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import importlib
 import os
 import pathlib
 import re
 import shutil
+import sys
 import tempfile
 import time
 
 from benchmarks.aot.targets import TARGETS, environment
+from neurips26_jax import configs
 
 HBM = {"v5e": 16 * 2**30, "v6e": 32 * 2**30}
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
@@ -53,8 +55,9 @@ def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--topology", default="v5e:4x4")
   parser.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor (-1: the rest)")
-  parser.add_argument("--config", default="configs/lm_paper.py:125m",
-                      help="a config file and its argument; its `model` is compiled")
+  parser.add_argument("--config", default="lm_paper:125m",
+                      help="a packaged config's name or a config file, with its argument after "
+                           "':'; its `model` is compiled")
   parser.add_argument("--context", type=int, help="(default: the config's)")
   parser.add_argument("--mixer", help="(default: the config's)")
   parser.add_argument("--ffn", help="(default: the config's)")
@@ -72,7 +75,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   for key, value in environment(TARGETS["tpu-v5e"]).items():
     os.environ.setdefault(key, value)
-  config = load_config(args.config)
+  config = configs.load(args.config)
   model_kwargs = config.model.to_dict()
   model_kwargs.update({k: v for k, v in dict(context=args.context, mixer=args.mixer,
                                              ffn=args.ffn, remat=args.remat).items()
@@ -147,6 +150,7 @@ def main(argv=None):
   total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
            + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   limit = HBM[args.topology.split(":")[0]]
+  fits = total <= 0.9 * limit
   m = model_kwargs
   print(f"{args.topology} mesh {dict(zip(MESH_AXES, sizes))}: {args.config} LanguageModel "
         f"d={m['d_model']} x{m['num_layers']} {m['mixer']}+{m['ffn']}, "
@@ -158,7 +162,7 @@ def main(argv=None):
   print(f"  per chip: arguments {gib(memory.argument_size_in_bytes):.2f} GiB, outputs "
         f"{gib(memory.output_size_in_bytes):.2f} (aliased {gib(memory.alias_size_in_bytes):.2f})"
         f", temporaries {gib(memory.temp_size_in_bytes):.2f}; total {gib(total):.2f} of "
-        f"{gib(limit):.0f} GiB: {'fits' if total <= 0.9 * limit else 'does NOT fit'} with 10% "
+        f"{gib(limit):.0f} GiB: {'fits' if fits else 'does NOT fit'} with 10% "
         f"headroom")
   hlo = compiled.as_text()
   kernel_calls = hlo.count('custom_call_target="tpu_custom_call"')
@@ -173,6 +177,7 @@ def main(argv=None):
       print("    " + line)
   if dump:
     shutil.rmtree(dump)
+  return 0 if fits else 1
 
 
 def compiler_options(pairs, dump: str | None) -> dict | None:
@@ -184,13 +189,6 @@ def compiler_options(pairs, dump: str | None) -> dict | None:
     options[name] = (flag if flag is not None
                      else int(value) if value.lstrip("-").isdigit() else value)
   return options or None
-
-
-def load_config(spec: str):
-  """"configs/lm_paper.py:370m" -> that module's get_config("370m") (no argument: get_config())."""
-  path, _, arg = spec.partition(":")
-  module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
-  return module.get_config(arg) if arg else module.get_config()
 
 
 def _dump_text(dump: str, pattern: str) -> str:
@@ -232,4 +230,4 @@ def peak_breakdown(dump: str, n: int) -> list:
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

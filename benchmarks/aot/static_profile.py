@@ -5,8 +5,8 @@ writes one `<op>_<chip>_static_llo_profile.textproto` per HLO op of the entry co
 of every while-loop body, holding `hlo_op_name` and `estimated_cycles` (loops inside a Pallas
 kernel and DMA latency are in the figure). An XLA while loop's body is listed once: its ops
 count trip-count times, read here from the optimized HLO (`compiled.as_text()`). The figure is
-a static schedule, not a timing, and is optimistic for memory-bound code (../shared/aot/README.md
-in the workspace that set this up; benchmarks/README.md says how the table reads it).
+a static schedule, not a timing, and is optimistic for memory-bound code (benchmarks/README.md,
+"TPU speed: libtpu's static estimate", says how to read it and what it leaves out).
 """
 
 from __future__ import annotations

@@ -65,9 +65,9 @@ def _model_facts(config: str, *overrides) -> dict:
   import jax
   from flax import nnx
 
-  from benchmarks.aot.scale import load_config
+  from neurips26_jax import configs
   from neurips26_jax.models import LanguageModel
-  kwargs = dict(load_config(config).model.to_dict())
+  kwargs = dict(configs.load(config).model.to_dict())
   kwargs.update({k: v for k, v in zip(("mixer", "ffn", "context", "remat"), overrides) if v})
   model = nnx.eval_shape(lambda: LanguageModel(**kwargs, rngs=nnx.Rngs(0)))
   params = sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))

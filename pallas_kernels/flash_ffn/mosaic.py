@@ -5,7 +5,7 @@ a head's tables are read from HBM once: a block whose index does not change betw
 is not fetched again) and walks its (expert, d_e tile) pairs in an unrolled loop. A grid
 step costs ~600-1,200 cycles of its own in libtpu's static schedule, so one step per
 (expert, d_e tile) paid it 11x per token tile at the paper's shape (~51% of the v5e MXU
-peak, against ~94% now: benchmarks/README.md, `make perf-tpu`).
+peak, against ~94% now: the repository's benchmarks/README.md, `make perf-tpu`).
 
 Tiles are [bq tokens, bi table rows]: the scores q K^T contract both operands' minor dim
 and o += a V is a plain product, the two forms the MXU takes without a transpose. The

@@ -35,7 +35,8 @@ tokens), three warpgroups.
   of the operands the accumulating matmuls read where |silu(m)| is of the order of |m|, but
   larger than it, relative to silu itself, for m <= -3 (silu(-8) = -0.003 is off by up to
   ~70%), where the terms are small. The interpreter computes the exact formula; the GPU
-  check (`benchmarks/gpu_flash_ffn.py`) holds the compiled bodies to the bf16 tolerance.
+  check (the repository's `benchmarks/gpu_flash_ffn.py`) holds the compiled bodies to the
+  bf16 tolerance.
 
 The Mosaic GPU interpreter runs WGMMA with A from shared memory only: there (and only there)
 the register operands go through buffers, so its tests check everything but the register
