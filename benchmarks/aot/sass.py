@@ -14,7 +14,11 @@ stores (`STS`, `STSM`) and async-proxy fences, named-barrier syncs, mbarrier ope
 copies, MUFU (special-function unit) operations by function, `FCHK` (IEEE division's range
 check), local-memory spills (`LDL`/`STL`) and instructions; and per kernel `USETMAXREG`
 (register reallocation between warpgroups), registers, shared memory, threads, grid, CTAs
-per SM and waves on the chip's SMs.
+per SM and waves on the chip's SMs. From these counts, per loop, a static bound (`bound`):
+the share of one warpgroup's iteration the tensor cores can be busy, given shared-memory
+bandwidth, instruction issue and the MUFU's rate; and the TFLOP/s it predicts at the chip's
+clock over the grid's waves. Per kernel also ptxas's advisories (`C75xx` codes, read from the
+`.ptxas` files Mosaic GPU writes with `MOSAIC_GPU_DUMP_PTXAS`; they are not in the SASS).
 
 These are static counts of the loop body as compiled (every instruction once per iteration;
 predicated-off and retried instructions count once): evidence of what each change of the
@@ -54,6 +58,34 @@ CASES = ("flash_ffn/370m/grad/bfloat16",
 SM_REGISTERS, SM_SMEM, SM_THREADS, SM_CTAS, REG_UNIT, CTA_RESERVED = (
     65536, 228 * 1024, 2048, 32, 256, 1024)
 SMS = {"gpu-h100": 132, "gpu-h200": 132}
+
+# The static bound's rates, per SM and clock on Hopper (sm_90). A warpgroup is 4 warps, one on
+# each of the SM's 4 sub-partitions; every quantity below is one warpgroup's iteration in SM
+# cycles, so warpgroups sharing an SM scale all of them alike and the ratio holds for any
+# number of them.
+# - Tensor cores: dense FMA per cycle per SM by input type; bf16/f16 2048 (H100 whitepaper:
+#   989.4 dense bf16 TFLOP/s = 132 SMs x 1.83 GHz x 2048 x 2; issue 47: 64x128x16 = 64 cycles).
+TC_FMA_PER_CYCLE = {"BF16": 2048, "F16": 2048, "TF32": 1024, "E4M3": 4096, "E5M2": 4096}
+OPERAND_BYTES = {"BF16": 2, "F16": 2, "TF32": 4, "E4M3": 1, "E5M2": 1}
+# - Shared memory: 32 banks x 4 B = 128 B per cycle per SM (CUDA programming guide, shared
+#   memory; Hopper tuning guide). An HGMMA reads its B tile once per warpgroup (and A when
+#   A is not in registers): a 64xNx16 bf16 HGMMA with both from shared memory moves
+#   32 N + 2048 B in N / 2 cycles, more than 128 B per cycle for N < 64.
+SMEM_BYTES_PER_CYCLE = 128
+# - Issue: one warp instruction per cycle per sub-partition (Hopper whitepaper: one warp
+#   scheduler per SM sub-partition), so a warpgroup issues its loop in `instructions` cycles.
+ISSUE_PER_CYCLE_PER_SUBPARTITION = 1
+# - MUFU: 16 results per cycle per SM for exp2/rcp/rsqrt/log2/sin/cos (CUDA programming guide,
+#   arithmetic instruction throughput, compute capability 9.0; tanh taken as the same unit):
+#   one warpgroup's MUFU instruction is 4 x 32 results, 8 cycles.
+MUFU_PER_CYCLE = 16
+WARPS_PER_WARPGROUP, WARP = 4, 32
+# - The clock the prediction uses: H100 SXM's max boost, 1.98 GHz (NVIDIA's H100 datasheet;
+#   the whitepaper's 989.4 TFLOP/s is at 1.83 GHz), 132 SMs: 1070 dense bf16 TFLOP/s.
+CLOCK_HZ = 1.98e9
+# The only chip figures so far (one H200, 2026-12-04, bf16, 370M shape): the one-warpgroup
+# FlashFFN forward and its fwd+bwd (counted as 3x the forward's FLOPs), in TFLOP/s.
+MEASURED = {"flash_ffn_fwd": 365.0, "flash_ffn fwd+bwd": 182.0}
 
 _LINE = re.compile(r"^\s*(?P<ctrl>[-\d&]+:[-\d]:[-\d]:[-Y]:\d+)?\s*/\*(?P<addr>[0-9a-f]{4,})\*/"
                    r"\s+(?P<pred>@!?U?P[T\d]+\s+)?(?P<op>[A-Z][\w.]*)(?P<args>.*?)\s*;?\s*$")
@@ -119,10 +151,40 @@ def main_loops(instructions, labels) -> list[tuple[int, int]]:
   return sorted(set(inner))
 
 
+def smem_bytes(op: str) -> int:
+  """Bytes one warp's shared-memory load or store moves (0 for any other instruction):
+  `LDS`/`STS` 4 B a thread unless sized (`.U8`, `.U16`, `.64`, `.128`, ...), `LDSM`/`STSM`
+  128 B per 8x8 16-bit matrix (`.M88.4`: four). Predicated-off lanes count as moving."""
+  parts = op.split(".")
+  if parts[0] in ("LDSM", "STSM"):
+    return 128 * (int(parts[-1]) if parts[-1] in ("1", "2", "4") else 1)
+  if parts[0] in ("LDS", "STS"):
+    sizes = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+    return WARP * next((sizes[p] for p in parts[1:] if p in sizes), 4)
+  return 0
+
+
+def bound(c: dict) -> dict:
+  """The static bound of one warpgroup's iteration from its counts `c` (see the constants'
+  comments): cycles the tensor cores, shared memory, instruction issue and the MUFU need,
+  and `bound` = tensor cycles / the largest of them. An upper bound: it ignores latency,
+  dependencies, bank conflicts and the TMA's writes into shared memory (a copy's size is
+  in its tensor map, not in the SASS)."""
+  cycles = {"tensor": c["tensor_cycles"],
+            "smem": (c["hgmma_smem_bytes"] + WARPS_PER_WARPGROUP * c["lds_sts_bytes"])
+            / SMEM_BYTES_PER_CYCLE,
+            "issue": c["instructions"] / ISSUE_PER_CYCLE_PER_SUBPARTITION,
+            "mufu": sum(c["mufu"].values()) * WARPS_PER_WARPGROUP * WARP / MUFU_PER_CYCLE}
+  limit = max(cycles, key=cycles.get)
+  return {"cycles": cycles, "cycles_limit": limit,
+          "bound": cycles["tensor"] / cycles[limit] if cycles[limit] else 0.0}
+
+
 def counts(body: list[Instruction]) -> dict:
   """What one pass over `body` issues (see the module docstring)."""
   hgmma, a_regs, flops = collections.Counter(), 0, 0
   mufu, depbar_levels = collections.Counter(), []
+  tensor_cycles, hgmma_smem, lds_sts = 0.0, 0, 0
   c = collections.Counter()
   for i in body:
     op = i.op
@@ -130,8 +192,12 @@ def counts(body: list[Instruction]) -> dict:
       mm, n, k = (int(g) for g in m.groups())
       hgmma[f"{mm}x{n}x{k}"] += 1
       flops += 2 * mm * n * k
+      kind = op.split(".")[-1]  # the inputs' type: HGMMA.64x128x16.F32.BF16
+      tensor_cycles += mm * n * k / TC_FMA_PER_CYCLE.get(kind, 2048)
       # A from registers: a register operand before the descriptor (`R24, R152, gdesc[..]`)
-      a_regs += bool(re.match(r"R\d+, R\d+,", i.args))
+      a_reg = bool(re.match(r"R\d+, R\d+,", i.args))
+      a_regs += a_reg
+      hgmma_smem += (n * k + (0 if a_reg else mm * k)) * OPERAND_BYTES.get(kind, 2)
     elif op.startswith("WARPGROUP.DEPBAR"):
       c["depbar"] += 1
       level = re.search(r"0x([0-9a-f]+)", i.args)
@@ -140,6 +206,9 @@ def counts(body: list[Instruction]) -> dict:
       c["wg_arrive"] += 1
     elif op.startswith(("STS", "STSM")):
       c["smem_stores"] += 1
+      lds_sts += smem_bytes(op)
+    elif op.startswith(("LDS", "LDSM")):
+      lds_sts += smem_bytes(op)
     elif op.startswith(("FENCE.VIEW.ASYNC", "MEMBAR")):
       c["fences"] += 1
     elif op.startswith("BAR."):
@@ -154,12 +223,15 @@ def counts(body: list[Instruction]) -> dict:
       c["fchk"] += 1
     elif op.startswith(("LDL", "STL")):
       c["local_memory"] += 1
-  return {"instructions": len(body), "hgmma": dict(sorted(hgmma.items())),
-          "hgmma_a_from_registers": a_regs, "hgmma_flops": flops,
-          "depbar_max_in_flight": max(depbar_levels, default=None),
-          "mufu": dict(sorted(mufu.items())),
-          **{k: c[k] for k in ("depbar", "wg_arrive", "smem_stores", "fences", "bar_syncs",
-                               "mbarrier_ops", "tma", "fchk", "local_memory")}}
+  out = {"instructions": len(body), "hgmma": dict(sorted(hgmma.items())),
+         "hgmma_a_from_registers": a_regs, "hgmma_flops": flops,
+         "tensor_cycles": tensor_cycles, "hgmma_smem_bytes": hgmma_smem,
+         "lds_sts_bytes": lds_sts,
+         "depbar_max_in_flight": max(depbar_levels, default=None),
+         "mufu": dict(sorted(mufu.items())),
+         **{k: c[k] for k in ("depbar", "wg_arrive", "smem_stores", "fences", "bar_syncs",
+                              "mbarrier_ops", "tma", "fchk", "local_memory")}}
+  return dict(out, **bound(out))
 
 
 def summary(text: str) -> dict:
@@ -210,13 +282,45 @@ def occupancy(registers: int, threads: int, smem: int, grid: int, sms: int) -> d
           "waves": grid / (sms * per_sm) if per_sm else math.inf}
 
 
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_ADVISORY = re.compile(r"\((C75\d\d)\)")
+_IN_FUNCTION = re.compile(r"in (?:the )?function '([^']+)'")
+
+
+def advisories(text: str) -> dict[str, list[str]]:
+  """{function: sorted C75xx codes} from ptxas's output: its performance advisories, e.g.
+  `ptxas info : (C7517) warpgroup.wait is injected in around line 594 by compiler to allow
+  use of registers defined by GMMA in function 'k'` (printed before `Compiling entry
+  function 'k'`). One naming no function belongs to the entry function compiled next, or
+  the last one when none follows."""
+  out, pending, current = {}, set(), None
+  for line in text.splitlines():
+    if m := _ENTRY.search(line):
+      current = m.group(1)
+      out.setdefault(current, set()).update(pending)
+      pending = set()
+    for code in _ADVISORY.findall(line):
+      if m := _IN_FUNCTION.search(line):
+        out.setdefault(m.group(1), set()).add(code)
+      else:
+        pending.add(code)
+  if pending and current is not None:
+    out[current].update(pending)
+  return {name: sorted(codes) for name, codes in out.items() if codes}
+
+
 def dump_report(dump: pathlib.Path) -> dict:
-  """{entry function: {"sass": summary, "grid", "threads"}} for a MOSAIC_GPU_DUMP_TO
-  directory written with MOSAIC_GPU_DUMP_SASS set (empty when it was not)."""
+  """{entry function: {"sass": summary, "advisories", "grid", "threads"}} for a
+  MOSAIC_GPU_DUMP_TO directory written with MOSAIC_GPU_DUMP_SASS set (empty when it was
+  not); "advisories" from the `.ptxas` files (MOSAIC_GPU_DUMP_PTXAS)."""
   out = {}
   for path in sorted(dump.glob("*.sass_ctrl")) or sorted(dump.glob("*.sass")):
     for name, s in summary(path.read_text()).items():
-      out[name] = {"sass": s}
+      out[name] = {"sass": s, "advisories": []}
+  for path in sorted(dump.glob("*.ptxas")):
+    for name, codes in advisories(path.read_text()).items():
+      if name in out:
+        out[name]["advisories"] = sorted(set(out[name]["advisories"]) | set(codes))
   for name in out:  # the module as lowered: MOSAIC_GPU_DUMP_MLIR_PASSES' log
     kernel = name.removesuffix("_mosaic_gpu_kernel")
     for path in dump.glob(f"{kernel}_[0-9]*.mlir-passes.log"):
@@ -257,10 +361,27 @@ def rows(results: list[dict], sms: int) -> list[dict]:
                     + (f" ({blocks})" if blocks else ""),
                     registers=k.get("registers"), smem=k.get("smem"), threads=threads,
                     grid=grid, usetmaxreg=k["sass"]["usetmaxreg"],
-                    spills=k["sass"]["local_memory"], **occ)
+                    spills=k["sass"]["local_memory"], advisories=k.get("advisories"), **occ)
       for i, loop in enumerate(k["sass"]["loops"]):
-        out.append(dict(kernel, loop=i, **loop))
+        out.append(dict(kernel, loop=i, **loop,
+                        predicted_tflops=predicted_tflops(loop, occ["waves"], sms)))
   return out
+
+
+def tail(waves: float) -> float:
+  """The share of the last wave's time the grid keeps the SMs busy over all its waves:
+  waves / waves rounded up (5.17 waves take 6 waves' time). Counting the last wave's work as
+  none (full waves / waves rounded up) would predict 0 for a grid of less than one wave."""
+  return waves / math.ceil(waves) if 0 < waves < math.inf else 0.0
+
+
+def predicted_tflops(loop: dict, waves: float, sms: int) -> float:
+  """The TFLOP/s of HGMMA work (recomputation included) the bound allows at CLOCK_HZ on
+  `sms` SMs: the loop's FLOPs per cycle of its limiting resource, times the waves' tail."""
+  slowest = loop["cycles"][loop["cycles_limit"]]
+  if not slowest:
+    return 0.0
+  return loop["hgmma_flops"] / slowest * sms * CLOCK_HZ * tail(waves) / 1e12
 
 
 def _mix(d: dict) -> str:
@@ -270,7 +391,9 @@ def _mix(d: dict) -> str:
 def markdown(table: list[dict]) -> str:
   head = ("| kernel (loop) | HGMMA per iteration (A from regs) | DEPBAR (most in flight) | "
           "STS/STSM · fences · BAR | mbarrier · TMA | MUFU | FCHK · LDL/STL | instr. | "
-          "regs · smem · threads · USETMAXREG | grid · CTAs/SM (limit) · waves |")
+          "regs · smem · threads · USETMAXREG | grid · CTAs/SM (limit) · waves | "
+          "cycles/iter.: tensor · smem (no TMA) · issue · MUFU | bound (limit) · TFLOP/s | "
+          "ptxas advisories |")
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   for t in table:
     loop = " (whole kernel)" if t.get("whole_kernel") else f" ({t['loop']})" if t["loop"] else ""
@@ -283,8 +406,37 @@ def markdown(table: list[dict]) -> str:
         f"{t.get('fchk', 0)} · {t['spills']} | {t.get('instructions', 0)} | "
         f"{t['registers']} · {(t['smem'] or 0) // 1024}K · {t['threads']} · "
         f"{','.join(t['usetmaxreg']) or '-'} | {t['grid']} · {t['ctas_per_sm']} "
-        f"({t['limited_by']}) · {t['waves']:.2f} |")
+        f"({t['limited_by']}) · {t['waves']:.2f} | {_bound_cells(t)} |")
   return "\n".join(lines)
+
+
+def _bound_cells(t: dict) -> str:
+  if "cycles" not in t:  # a results file from before the bound
+    return "n/a | n/a | n/a"
+  c = t["cycles"]
+  cycles = " · ".join(f"{c[k]:.0f}" for k in ("tensor", "smem", "issue", "mufu"))
+  # a kernel whose .ptxas was not read (None) is not one without advisories ([])
+  codes = "n/a" if t.get("advisories") is None else ", ".join(t["advisories"]) or "none"
+  return (f"{cycles} | {t['bound']:.0%} ({t['cycles_limit']}) · "
+          f"{t['predicted_tflops']:.0f} | {codes}")
+
+
+def calibration(table: list[dict]) -> str:
+  """How far the predictions are from the chip figures in MEASURED, for the kernels of the
+  table that were measured."""
+  fwd = [t for t in table if t["kernel"] == "flash_ffn_fwd"]
+  if not fwd:
+    return "No measured kernel in this table."
+  p, m = fwd[0]["predicted_tflops"], MEASURED["flash_ffn_fwd"]
+  back = [t for t in table if t["kernel"].startswith("flash_ffn_bwd") and " (" not in t["kernel"]]
+  slowest = min((t["predicted_tflops"] for t in back), default=None)
+  text = (f"Against the chip (one H200, 2026-12-04): flash_ffn_fwd is predicted {p:.0f} TFLOP/s "
+          f"and measured {m:.0f} ({p / m:.2f}x the measurement)")
+  if slowest is not None:
+    text += (f"; fwd+bwd measured {MEASURED['flash_ffn fwd+bwd']:.0f} (3x forward FLOPs), "
+             f"its backward kernels predicted {slowest:.0f} TFLOP/s at the slowest loop "
+             f"(a fwd+bwd prediction needs each kernel's FLOPs per call, not in the SASS)")
+  return text + ". Not yet calibrated: the bound is an upper bound (no latency)."
 
 
 def main(argv=None):
@@ -302,6 +454,7 @@ def main(argv=None):
   target = TARGETS[args.target]
   os.environ["CUDA_ROOT"] = str(cuda_root(ROOT / target.venv))
   os.environ["MOSAIC_GPU_DUMP_SASS"] = "1"
+  os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"  # ptxas's advisories (C75xx) in `.ptxas` files
   os.environ["MOSAIC_GPU_DUMP_MLIR_PASSES"] = "1"  # the launch's grid and threads
   results = run_target(target, [cases_lib.parse(c) for c in args.cases.split(";")],
                        args.timeout)
@@ -309,7 +462,8 @@ def main(argv=None):
   table = rows(results, SMS[args.target])
   text = markdown(table)
   note = (f"{args.target} (sm_90a), {len(results)} cases, "
-          f"{len(table)} rows{'; failed: ' + ', '.join(failed) if failed else ''}")
+          f"{len(table)} rows{'; failed: ' + ', '.join(failed) if failed else ''}. "
+          + calibration(table))
   print(text + "\n" + note)
   pathlib.Path(args.out + ".json").write_text(json.dumps(table, indent=1) + "\n")
   pathlib.Path(args.out + ".md").write_text(text + "\n\n" + note + "\n")
