@@ -28,5 +28,7 @@ def load(spec: str):
   """The ConfigDict --config's value names: "lm_paper:370m" -> lm_paper.get_config("370m"),
   "my/config.py" -> that file's get_config()."""
   path, _, arg = resolve(spec).partition(":")
-  get_config = runpy.run_path(path)["get_config"]
+  get_config = runpy.run_path(path).get("get_config")
+  if get_config is None:
+    raise ValueError(f"{path} defines no get_config(), the function a config file provides")
   return get_config(arg) if arg else get_config()
