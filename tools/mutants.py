@@ -785,7 +785,7 @@ MUTANTS = [
       "if i.op.startswith(\"BRA\") and i.addr < end and", "if i.op.startswith(\"BRA\") and",
       "tests/test_sass_report.py::test_main_loop_counts_per_iteration"),
     m("sass_a_from_registers_any_register", "benchmarks/aot/sass.py",
-      'a_regs += bool(re.match(r"R\\d+, R\\d+,", i.args))', 'a_regs += bool(re.match(r"R\\d+,", i.args))',
+      'a_reg = bool(re.match(r"R\\d+, R\\d+,", i.args))', 'a_reg = bool(re.match(r"R\\d+,", i.args))',
       "tests/test_sass_report.py::test_main_loop_counts_per_iteration"),
     m("sass_registers_not_per_warp_granular", "benchmarks/aot/sass.py",
       "per_warp = math.ceil(registers * 32 / REG_UNIT) * REG_UNIT", "per_warp = registers * 32",
