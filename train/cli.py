@@ -114,12 +114,6 @@ def _unknown_field(argv: list[str]) -> str:
   return ""
 
 
-def _config_file_error(error: OSError, spec: str) -> str:
-  """ml_collections' multi-line load error -> `--config=FILE: <its last line>`."""
-  lines = [l.strip() for l in str(error).splitlines() if l.strip()]
-  return f"--config={spec}: cannot load it ({lines[-1]})"
-
-
 def _unknown_flag(error: flags.UnrecognizedFlagError, argv: list[str]) -> str:
   """absl's unknown-flag error, with where the flag's name is a config field: --config.<name>."""
   name, given = error.flagname, str(error.flagvalue or f"--{error.flagname}")
@@ -157,8 +151,6 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(str(e))
   except (AttributeError, KeyError) as e:      # ml_collections: an override of a missing field
     _fail(_unknown_field(argv) or f"bad --config override: {e}")
-  except OSError as e:                          # ml_collections: the config file cannot be read
-    _fail(_config_file_error(e, _config_spec(argv)))
 
 
 def check_flags(argv: list[str]) -> None:
@@ -213,14 +205,9 @@ def config_lines(config, prefix: str = "config") -> list[str]:
 
 
 def _file_config():
-  """The --config file's config with the command's overrides; None without --config."""
-  try:
-    config = _CONFIG.value
-    if config is not None:
-      config.keys()                         # a config file that failed to load raises here
-    return config
-  except OSError as e:
-    raise errors.UsageError(_config_file_error(e, flags.FLAGS["config"].config_filename)) from None
+  """The --config file's config with the command's overrides; None without --config. (A file
+  that does not load never gets here: `_with_packaged_configs` loads it first.)"""
+  return _CONFIG.value
 
 
 def run_config(config) -> ConfigDict:
