@@ -76,7 +76,7 @@ BODY_CALLS = {"Mosaic TPU": "tpu_custom_call", "Mosaic GPU": "mosaic_gpu",
 AMPERE_DEVICE_KIND = "NVIDIA A100-SXM4-80GB"
 HOPPER_DEVICE_KIND = "NVIDIA H100 80GB HBM3"
 BLACKWELL_DEVICE_KIND = "NVIDIA B200"
-_GPU_CUSTOM_CALLS = ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")
+_GPU_CUSTOM_CALLS = (BODY_CALLS["Triton"], "mosaic_gpu_v2")   # what a "cuda" export may call
 
 
 def export_mlir(fn: Callable[..., Any], platform: str, *args: Any,
