@@ -181,6 +181,25 @@ def test_cases_cover_the_issue_shapes_and_round_trip():
   assert cases.SHAPES["frac_scan"]["16k"] == dict(b=1, l=16384, h=4, p=64, n=16, m=16)
 
 
+def test_ci_subset_keeps_every_kernel_variant_and_the_largest_grids():
+  """What CI compiles still has every op in both directions and dtypes, each Pack3D head
+  width and level count in each dtype and with and without a far offset, the 1M-token grids
+  and the oversized case."""
+  every = cases.all_cases("tpu")
+  ci = cases.ci_cases(every)
+  assert set(ci) < set(every) and [c for c in ci if c.expect_failure] == [cases.OVERSIZED["tpu"]]
+  variant = lambda c: (c.op, c.direction, c.dtype)
+  assert {variant(c) for c in ci} == {variant(c) for c in every}
+  shape = lambda c: cases.SHAPES[c.op][c.shape]
+  for key in (lambda c: (c.dtype, shape(c)["d"], shape(c).get("levels", 1)),
+              lambda c: (shape(c)["d"], shape(c).get("levels", 1), "far_offset" in shape(c))):
+    assert ({key(c) for c in ci if c.op == "pack3d"}
+            == {key(c) for c in every if c.op == "pack3d"})
+  assert {c.shape for c in ci if c.op == "pack3d"} >= {"1m", "1m_seg3d_l3"}
+  assert {c.op for c in ci if c.op != "pack3d"} == {c.op for c in every if c.op != "pack3d"}
+  assert [c for c in every if c.op != "pack3d" and c not in ci] == []
+
+
 def test_merge_replaces_only_the_target_op_pairs_that_ran():
   """A run of one op on some targets keeps every other op's rows of those targets and drops
   the rerun pairs' old rows (cases that no longer exist included)."""

@@ -7,6 +7,7 @@ TPU and GPU compilers, with a table of what each compiler reports.
   python -m benchmarks.aot.check --targets=gpu-h100 --ops=flash_ffn --merge --readme
                                        # one target's op anew, every other row from results.json
   python -m benchmarks.aot.check --ops=pack3d --shapes=1m --merge --readme   # one shape anew
+  python -m benchmarks.aot.check --ci --targets=tpu-v5e,tpu-v6e   # CI's subset (cases.ci_cases)
 
 Each target's cases run in a worker process inside that target's venv (`make
 compile-check` creates .venv-aot-tpu and .venv-aot-gpu from pinned versions). A case
@@ -205,6 +206,7 @@ def main(argv=None):
   parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
   parser.add_argument("--readme", action="store_true", help="rewrite benchmarks/README.md's table")
   parser.add_argument("--out", default=str(HERE / "results"), help="results .json/.md prefix")
+  parser.add_argument("--ci", action="store_true", help="only CI's subset (cases.ci_cases)")
   parser.add_argument("--merge", action="store_true",
                       help="keep the previous results (--out's .json) of the (target, op) pairs not run")
   args = parser.parse_args(argv)
@@ -215,8 +217,8 @@ def main(argv=None):
     if name not in TARGETS:
       sys.exit(f"compile check: unknown target {name!r}; expected some of {sorted(TARGETS)}")
     target = TARGETS[name]
-    results += run_target(target, cases_lib.all_cases(target.kind, ops, shapes, target.generation),
-                          args.timeout)
+    cases = cases_lib.all_cases(target.kind, ops, shapes, target.generation)
+    results += run_target(target, cases_lib.ci_cases(cases) if args.ci else cases, args.timeout)
   elapsed = time.monotonic() - start
   ran = sorted({r["target"] for r in results}, key=list(TARGETS).index)
   if args.merge and (previous := pathlib.Path(args.out + ".json")).exists():
