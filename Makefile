@@ -9,12 +9,12 @@ PY := $(VENV)/bin/python
 CONSTRAINTS := constraints/py312-jax012.txt
 LOWEST_CONSTRAINTS := constraints/py311-jax010.txt
 
-.PHONY: setup setup-lowest test test-lowest test-slow mutants demo bench clean aot-setup \
+.PHONY: setup setup-lowest test test-lowest test-slow mutants demo docs bench clean aot-setup \
         compile-check compile-check-tpu compile-check-ci compile-check-gpu memory-aot lock perf-tpu \
         perf-tpu-sweep sass sass-setup scale-check
 
 setup:
-	@tools/venv.sh $(VENV) 3.12 $(CONSTRAINTS) dev
+	@tools/venv.sh $(VENV) 3.12 $(CONSTRAINTS) dev,docs
 
 setup-lowest:
 	@PYTHON=$(PYTHON_LOWEST) tools/venv.sh .venv-lowest 3.11 $(LOWEST_CONSTRAINTS) dev
@@ -41,6 +41,11 @@ mutants: setup
 DEMO_DIR ?= runs/demo
 demo: setup
 	JAX_PLATFORMS=cpu $(PY) -m neurips26_jax.train.train_lm --config=lm_default --workdir=$(DEMO_DIR)
+
+# The documentation site into build/site (docs/; open build/site/index.html). Strict: a
+# warning, a broken cross-reference or a public symbol missing from the API reference fails.
+docs: setup
+	JAX_PLATFORMS=cpu $(PY) -m sphinx -E -W --keep-going -q -b html docs build/site
 
 bench: setup
 	JAX_PLATFORMS=cpu $(PY) -m benchmarks.flash_ffn_memory

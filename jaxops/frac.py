@@ -133,8 +133,8 @@ def check_scan_inputs(x: jax.Array, dt: jax.Array, b: jax.Array, c: jax.Array,
                       name: str = "frac_scan") -> None:
   """Raises (see `jaxops.checks`) naming the argument when shapes, dtypes or values do not fit.
 
-  dt must be > 0, rates >= 0, weights finite: checked when concrete, `checkify.debug_check`s
-  under jit.
+  dt must be > 0, rates >= 0, weights finite: checked when concrete, and by
+  `checkify.debug_check` under jit.
   """
   for arg, a, rank in (("x", x, 4), ("dt", dt, 3), ("b", b, 4), ("c", c, 4),
                        ("rates", rates, 2), ("weights", weights, 2)):

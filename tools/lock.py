@@ -1,5 +1,5 @@
 """Writes a constraints file: the exact version of every package (direct and transitive) that
-`pip install -e '.[dev,aot-tpu,aot-gpu]'` resolves to for one Python.
+`pip install -e '.[dev,docs,aot-tpu,aot-gpu]'` resolves to for one Python.
 
   python tools/lock.py --python=python3.12 --out=constraints/py312-jax012.txt
   python tools/lock.py --python=python3.11 --lowest --out=constraints/py311-jax010.txt
@@ -23,7 +23,7 @@ import tempfile
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXTRAS = "dev,aot-tpu,aot-gpu"
+EXTRAS = "dev,docs,aot-tpu,aot-gpu"
 
 
 def lower_bounds(pyproject: dict) -> list[str]:
