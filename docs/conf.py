@@ -16,7 +16,8 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))            # docs/figures.py, and a clone that is not installed
+sys.path.insert(0, str(ROOT))            # experiments/, and a clone that is not installed
+sys.path.insert(0, str(ROOT / "docs"))   # figures.py
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 project = "neurips26-jax"
@@ -24,7 +25,7 @@ author = "the neurips26-jax authors"
 release = importlib.import_module("neurips26_jax").__version__
 extensions = ["myst_parser", "sphinx.ext.autodoc"]
 source_suffix = {".md": "markdown"}
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "_generated"]   # _generated: included by results.md
 html_theme = "furo"
 nitpicky = True
 html_title = "neurips26-jax"
@@ -136,7 +137,13 @@ def _class_signature(app, what, name, obj, options, signature, return_annotation
   return None
 
 
+def _figures(app) -> None:
+  import figures  # docs/figures.py
+  figures.render(pathlib.Path(app.srcdir) / "_generated")
+
+
 def setup(app):
+  app.connect("builder-inited", _figures)
   app.connect("autodoc-process-signature", _class_signature)
   app.connect("autodoc-process-docstring", _docstring)
   app.connect("env-check-consistency", _check_api_coverage)

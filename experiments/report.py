@@ -437,6 +437,21 @@ def _paired(by_seed: dict, ref: dict, digits: int) -> list[str]:
   return _diff_cells([by_seed[s] - ref[s] for s in sorted(by_seed) if s in ref], digits)
 
 
+def at_best_rate(d, metric: str, lower_is_better: bool = True, digits: int = 4):
+  """(the sweep's table, {arm: its rate as a label}, {arm: {seed: metric}} at that rate) for
+  an experiment run by `common.sweep_then_seeds`: each arm at the best rate of the first
+  seed's sweep, or the best of the rates it ran while its sweep is incomplete."""
+  runs = list(d["runs"].values())
+  lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs})
+  table, best, partial = _sweep_table(runs, lrs, metric, lower_is_better, digits)
+  rate = {**best, **{a: lr for a, (lr, _) in partial.items()}}
+  label = {**{a: f"{lr:g}" for a, lr in best.items()},
+           **{a: f"{lr:g} (best of {n} run)" for a, (lr, n) in partial.items()}}
+  at_best = {a: {r["seed"]: r[metric] for r in runs if r["arm"] == a and r["lr"] == rate[a]}
+             for a in rate}
+  return table, label, at_best
+
+
 def sweep(d, metric: str, reference: str, *, against: tuple = (), lower_is_better: bool = True,
           digits: int = 4) -> str:
   """Tables for an experiment run by `common.sweep_then_seeds`: the learning-rate sweep at the
@@ -445,14 +460,8 @@ def sweep(d, metric: str, reference: str, *, against: tuple = (), lower_is_bette
   `against` that ran. An arm whose sweep is incomplete is shown at the best of the rates it
   ran, marked so."""
   runs = list(d["runs"].values())
-  lrs = d["meta"].get("lrs") or sorted({r["lr"] for r in runs})
-  table, best, partial = _sweep_table(runs, lrs, metric, lower_is_better, digits)
+  table, label, at_best = at_best_rate(d, metric, lower_is_better, digits)
   out = [table]
-  rate = {**best, **{a: lr for a, (lr, _) in partial.items()}}
-  label = {**{a: f"{lr:g}" for a, lr in best.items()},
-           **{a: f"{lr:g} (best of {n} run)" for a, (lr, n) in partial.items()}}
-  at_best = {a: {r["seed"]: r[metric] for r in runs if r["arm"] == a and r["lr"] == rate[a]}
-             for a in rate}
   ref = at_best.get(reference, {})
   rows = [[f"`{a}`", label[a], ", ".join(f"{by_seed[s]:.{digits}f}" for s in sorted(by_seed)),
            fmt(stats(list(by_seed.values())), digits)]

@@ -4,6 +4,7 @@ tests/test_readme.py)."""
 
 import doctest
 import importlib.util
+import json
 import pathlib
 import re
 import subprocess
@@ -54,6 +55,43 @@ def test_docstrings_become_rest_that_keeps_their_layout():
       r"Shapes, with a \*star\* and a\_ word:", "", "", "::", "",
       "     q [B, L, H, d_h]   *   |x|", "       continued", "",
       "Prose with `code*` stays code."]
+
+
+def _figures():
+  spec = importlib.util.spec_from_file_location("docs_figures", DOCS / "figures.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_results_are_computed_from_the_records():
+  """The Results page's rows come from the json records: a kernel's ratio is the baseline's
+  cycles over its own, only where both compiled; a quality row is the per-seed paired
+  difference at each arm's best rate; a step row is relative to attention + SwiGLU."""
+  figures = _figures()
+  perf = [dict(program="frac/kernel", target="tpu-v5e", direction="fwd", dtype="bfloat16",
+               status="ok", cycles=100),
+          dict(program="frac/xla", target="tpu-v5e", direction="fwd", dtype="bfloat16",
+               status="ok", cycles=250),
+          dict(program="frac/kernel", target="tpu-v6e", direction="fwd", dtype="bfloat16",
+               status="ok", cycles=100),
+          dict(program="frac/xla", target="tpu-v6e", direction="fwd", dtype="bfloat16",
+               status="crashed")]
+  [row] = figures.speed_rows(perf)
+  assert (row["target"], row["ratio"]) == ("tpu-v5e", 2.5)
+  run = lambda arm, lr, seed, loss: (f"{arm}@{lr}/{seed}", dict(arm=arm, lr=lr, seed=seed,
+                                                                 params=1, val_loss_whole=loss))
+  runs = dict([run("swiglu", 1e-3, 0, 1.0), run("swiglu", 2e-3, 0, 0.9),
+               run("swiglu", 2e-3, 1, 0.8), run("ffn", 1e-3, 0, 0.7), run("ffn", 2e-3, 0, 0.95),
+               run("ffn", 1e-3, 1, 0.6)])
+  [q] = figures.quality_rows({"x": {"meta": {"lrs": [1e-3, 2e-3]}, "runs": runs}})
+  assert (q["arm"], q["lr"], q["seeds"]) == ("ffn", "0.001", 2)
+  assert q["mean"] == pytest.approx(((0.7 - 0.9) + (0.6 - 0.8)) / 2)
+  base = dict(config="c:125m", mixer="attention", ffn="swiglu", context=8, step_ms=[10, 20])
+  other = dict(base, mixer="frac", step_ms=[15, 20])
+  assert [r["vs_base"] for r in figures.step_rows([base, other])] == [[1.0, 1.0], [1.5, 1.0]]
+  recorded = json.loads(figures.PERF.read_text())
+  assert len(figures.speed_rows(recorded)) >= 20   # the recorded pairs are all found
 
 
 @pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
