@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:
   if name in _EXPORTS:
     import importlib  # noqa: PLC0415
     return getattr(importlib.import_module(_EXPORTS[name]), name)
-  raise AttributeError(f"module 'train' has no attribute {name!r}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = list(_EXPORTS)
