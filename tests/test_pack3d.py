@@ -146,6 +146,12 @@ def _with_offset_grads(op, **kwargs):
                                                argnums=(0, 1, 2, 3))(*a)))
 
 
+@functools.cache
+def _reference_with_offset():
+  """`_with_offset_grads` of the reference, one compile for the tests below."""
+  return _with_offset_grads(functools.partial(ops.pack3d_attention_reference, block_shape=BLOCK))
+
+
 def test_gated_merge_cancels_the_far_offset():
   """With the gated merge a per-head constant on every far logit cancels inside the far
   branch's own softmax: the XLA path and the reference give the output without it, and a
@@ -171,9 +177,9 @@ def test_gated_merge_cancels_the_far_offset():
 def test_zero_far_offset_is_bit_identical_to_none():
   """beta = 0 adds exact zeros: the same bits as no offset, forward and gradients."""
   q, k, v = make_qkv(jnp.float32, seed=10)
-  for path, op in (("reference", functools.partial(ops.pack3d_attention_reference,
-                                                   block_shape=BLOCK)), ("xla", PATHS["xla"])):
-    out, grads = _with_offset_grads(op)(q, k, v, jnp.zeros(H))
+  for path, with_offset in (("reference", _reference_with_offset()),
+                            ("xla", _with_offset_grads(PATHS["xla"]))):
+    out, grads = with_offset(q, k, v, jnp.zeros(H))
     chex.assert_trees_all_equal((out, grads[:3]), compiled(path)(q, k, v))
 
 
@@ -185,9 +191,7 @@ def test_kernel_far_offset_bf16_close_to_xla(path):
   of the reference (measured 2.1e-3: a sum over every far score, which the kernels form from
   bf16 summaries where the XLA path keeps its far branch in float32 (7.5e-4))."""
   args = make_qkv(jnp.bfloat16, seed=11)
-  out_ref, grads_ref = _with_offset_grads(
-      functools.partial(ops.pack3d_attention_reference, block_shape=BLOCK))(
-          *(a.astype(jnp.float32) for a in args), OFFSET)
+  out_ref, grads_ref = _reference_with_offset()(*(a.astype(jnp.float32) for a in args), OFFSET)
   out_xla, grads_xla = _with_offset_grads(PATHS["xla"])(*args, OFFSET)
   out, grads = _with_offset_grads(PATHS[path])(*args, OFFSET)
   assert out.dtype == jnp.bfloat16
@@ -355,12 +359,15 @@ def test_only_the_mosaic_body_gets_grouped_rows(platform, backend, interpret, ex
 
 # ----------------------------------------------------------------------------- repacking
 
+TRACED_MAX_CUBES = 40  # cube slots of the traced paths below (entries need up to 30)
+
+
 @functools.lru_cache(maxsize=None)
 def _traced_op(name: str):
   fn = {"reference": ops.pack3d_attention_reference, "xla": ops.pack3d_attention,
         "pallas": functools.partial(kernel.pack3d_attention, interpret=True, block_summaries=16)
         }[name]
-  extra = {} if name == "reference" else dict(max_cubes=40)
+  extra = {} if name == "reference" else dict(max_cubes=TRACED_MAX_CUBES)
   return jax.jit(lambda q, k, v, c, f: fn(q, k, v, c, f, block_shape=BLOCK, **extra))
 
 
@@ -422,27 +429,49 @@ def test_bad_far_offset_names_the_argument(op, far_offset, match):
     op(q, k, v, coords, field_ids, block_shape=BLOCK, far_offset=far_offset)
 
 
-@pytest.mark.parametrize("op", [ops.pack3d_attention, kernel.pack3d_attention],
-                         ids=["xla", "pallas"])
-def test_too_few_cube_slots_for_traced_coords_is_never_silent(op):
+def _slots(coords, field_ids) -> int:
+  """Cube slots one batch entry needs (coords [N, 3], field_ids [N]): its fields' bounding
+  boxes of cubes (`pack3d_layout.cube_layout`)."""
+  cubes = coords // BLOCK
+  return sum(int(np.prod(np.ptp(cubes[field_ids == f], axis=0) + 1))
+             for f in np.unique(field_ids))
+
+
+def _needing(b: int, slots: int) -> np.ndarray:
+  """Entry b's field ids with tokens moved, one at a time, into fields of their own (a
+  one-cube box each, the others' boxes unchanged) until the entry needs `slots` slots."""
+  field_ids = FIELD_IDS[b]
+  for i in range(len(field_ids)):
+    if _slots(COORDS[b], field_ids) == slots:
+      break
+    moved = field_ids.copy()
+    moved[i] = 100 + i
+    if _slots(COORDS[b], moved) == _slots(COORDS[b], field_ids) + 1:
+      field_ids = moved
+  assert _slots(COORDS[b], field_ids) == slots
+  return field_ids
+
+
+@pytest.mark.parametrize("name", ["xla", "pallas"])
+def test_too_few_cube_slots_for_traced_coords_is_never_silent(name):
   """A compiled program cannot raise: an entry that needs more cubes than max_cubes (or has
-  negative coords) gets NaN outputs, and layout_status says which entry needs how many."""
+  negative coords) gets NaN outputs, and layout_status says which entry needs how many.
+  One program (`_traced_op`) for every layout: entry 0 filling exactly its max_cubes cubes,
+  entry 1 one more."""
+  max_cubes = TRACED_MAX_CUBES
   q, k, v = make_qkv(jnp.float32)
-  needed = np.array([len(np.unique(np.concatenate([FIELD_IDS[b, :, None], COORDS[b] // BLOCK],
-                                                  1), axis=0)) for b in range(2)])
-
-  @functools.partial(jax.jit, static_argnums=2)
-  def run(c, f, max_cubes):
-    return (op(q, k, v, c, f, block_shape=BLOCK, max_cubes=max_cubes),
-            layout_status(c, f, block_shape=BLOCK, max_cubes=max_cubes))
-
-  out, status = run(COORDS, FIELD_IDS, int(needed.max()))
-  assert np.all(np.isfinite(np.asarray(out))) and np.all(np.asarray(status) == 0)
-  out, status = run(COORDS, FIELD_IDS, int(needed.min()) - 1)
+  status = jax.jit(functools.partial(layout_status, block_shape=BLOCK, max_cubes=max_cubes))
+  out = _traced_op(name)(q, k, v, COORDS, FIELD_IDS)
+  assert np.all(np.isfinite(np.asarray(out)))
+  assert np.all(np.asarray(status(COORDS, FIELD_IDS)) == 0)
+  field_ids = np.stack([_needing(0, max_cubes), _needing(1, max_cubes + 1)])
+  out = np.asarray(_traced_op(name)(q, k, v, COORDS, field_ids))
+  assert np.all(np.isfinite(out[0])) and np.all(np.isnan(out[1]))
+  np.testing.assert_array_equal(np.asarray(status(COORDS, field_ids)), [0, max_cubes + 1])
+  coords = COORDS - np.eye(3, dtype=COORDS.dtype)[0]
+  out = _traced_op(name)(q, k, v, coords, FIELD_IDS)
   assert np.all(np.isnan(np.asarray(out)))
-  np.testing.assert_array_equal(np.asarray(status), needed)
-  out, status = run(COORDS - np.eye(3, dtype=COORDS.dtype)[0], FIELD_IDS, int(needed.max()))
-  assert np.all(np.isnan(np.asarray(out))) and np.all(np.asarray(status) == -1)
+  assert np.all(np.asarray(status(coords, FIELD_IDS)) == -1)
 
 
 def test_unknown_block_size_is_an_error():

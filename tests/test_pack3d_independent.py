@@ -159,7 +159,9 @@ def test_pack3d_reference_self_consistency():
   assert np.max(np.abs(pack_reference("radius2", F32) - full)) > 1e-2
 
 
-@pytest.mark.parametrize("path", params(PACK_PATHS, fast=("xla", "mosaic", "triton")))
+# Kernels slow: test_pack3d_far_offset_forward_and_grads[mosaic/triton-default] holds them to
+# this reference in every gradient, test_pack3d.py's kernel tests without the offset operand.
+@pytest.mark.parametrize("path", params(PACK_PATHS, fast=("xla",)))
 def test_pack3d_forward_and_grads(path):
   """Default options, f32: forward and dq, dk, dv against the loop with relative rotations."""
   out, grads = pack_run(path, "default", F32, True)

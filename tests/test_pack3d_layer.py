@@ -37,6 +37,9 @@ def run(module, x=X, coords=COORDS, field_ids=FIELD_IDS):
   return nnx.jit(lambda m, x: m(x, coords, field_ids))(module, x)
 
 
+# slow: the layer's one op call is test_far_offset_impls_agree_forward_and_gradients's; the
+# paths without the offset are test_pack3d.py::test_matches_reference_forward_and_gradients's.
+@pytest.mark.slow
 def test_impls_agree():
   out = {impl: run(layer(impl=impl)) for impl in ("pallas", "xla", "reference")}
   assert out["reference"].shape == X.shape

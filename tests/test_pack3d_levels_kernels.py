@@ -112,7 +112,7 @@ def test_mosaic_gpu_body_matches_the_independent_reference(dtype):
   """The Hopper body (64-slot cubes, its interpreter with the race detector) on the layout of
   `tests/test_pack3d_mosaic_gpu` ((4, 3, 4) cubes, two batch entries, odd fields), 3 levels
   of radius 0: each query cube attends to its level-1 siblings, its level-2 parent's
-  siblings, and (in the (9, 5, 3) field) nothing at the top; D = 16, per-level far offsets
+  siblings, and (in the (9, 2, 3) field) nothing at the top; D = 16, per-level far offsets
   [L, H]."""
   from tests import test_pack3d_mosaic_gpu as hopper
   rng = np.random.default_rng(4)
