@@ -1,7 +1,8 @@
-"""The binaries as a user drives them: train, rerun the finished run (it says so and changes
-nothing), evaluate and sample from the workdir, list the config fields, --help. The command
-lines run in order through tests/binary_cases.py (forked from one process that imported the
-binaries once)."""
+"""The binaries as a user drives them: train (the language model and the 3D segmenter), rerun
+the finished run (it says so and changes nothing), evaluate and sample from the workdir, list
+the config fields, --help. The command lines run in order through tests/binary_cases.py
+(forked from one process that imported the binaries once), with DeprecationWarnings shown:
+none may come from our code or JAX."""
 
 import json
 import os
@@ -10,12 +11,14 @@ import subprocess
 import sys
 
 import pytest
+from flax import nnx
 from ml_collections import ConfigDict
 
 from neurips26_jax.configs import lm_smoke
+from neurips26_jax.models.lm import LanguageModel
 from neurips26_jax.models.unet3d import param_count
-from neurips26_jax.train import lm_task
-from tests.binaries import REPO
+from neurips26_jax.train.metrics import read_metrics
+from tests.binaries import _DEPRECATION, REPO
 
 LM, SEG = "neurips26_jax.train.train_lm", "neurips26_jax.train.train_seg3d"
 TINY = ["--config=lm_smoke", "--config.steps=2", "--config.eval_every=2",
@@ -25,8 +28,9 @@ TINY = ["--config=lm_smoke", "--config.steps=2", "--config.eval_every=2",
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """{name: {"status", "output", "seconds"}} for the command lines below, run in this order."""
-  workdir = tmp_path_factory.mktemp("lm")
+  """(the LM's workdir, {name: {"status", "output", "seconds"}}) for the command lines below,
+  run in this order; the segmenter's result also names its "workdir"."""
+  workdir, seg3d = tmp_path_factory.mktemp("lm"), tmp_path_factory.mktemp("seg3d")
   cases = {
       "train": (LM, [*TINY, f"--workdir={workdir}"]),
       "rerun": (LM, [*TINY, f"--workdir={workdir}", "--config.eval_every=1"]),
@@ -38,13 +42,26 @@ def runs(tmp_path_factory):
       "config": (LM, ["--config=configs/lm_smoke.py", "--mode=config", "--config.steps=7"]),
       "help_lm": (LM, ["--help"]),
       "help_seg3d": (SEG, ["--help"]),
+      "train_seg3d": (SEG, ["--config=configs/seg3d_smoke.py", "--config.steps=1",
+                            f"--workdir={seg3d}"]),
   }
   out = subprocess.run([sys.executable, "-m", "tests.binary_cases"], cwd=REPO, timeout=600,
                        input=json.dumps([{"module": m, "argv": a} for m, a in cases.values()]),
                        capture_output=True, text=True,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
+                       env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "",
+                            "PYTHONWARNINGS": "default::DeprecationWarning",
+                            # eval and sample reuse the programs the training run compiled
+                            "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("cache")),
+                            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
   assert out.returncode == 0, out.stderr[-3000:]
-  return workdir, dict(zip(cases, json.loads(out.stdout)))
+  results = dict(zip(cases, json.loads(out.stdout)))
+  # the imports' warnings print in the parent, before the fork; each child prints its own
+  deprecated = [line for text in [out.stderr] + [r["output"] for r in results.values()]
+                for line in text.splitlines() if _DEPRECATION.match(line)]
+  assert not deprecated, "\n".join(deprecated)
+  results["train_seg3d"]["workdir"] = seg3d
+  return workdir, results
 
 
 def ok(result) -> str:
@@ -56,11 +73,23 @@ def test_training_prints_the_parameter_count_and_training_rates(runs):
   output = ok(runs[1]["train"])
   c = lm_smoke.get_config()
   c.model.context = 16
-  count = param_count(lm_task.make_model(c))
+  count = param_count(nnx.eval_shape(lambda: LanguageModel(**c.model, rngs=nnx.Rngs(0))))
   assert f"LanguageModel: {count:,} parameters" in output
   bar = [line for line in output.splitlines() if line.startswith("[")]
   assert bar and all("inf" not in line for line in bar), bar
   assert "steps/s" not in bar[0] and re.search(r"2/2 loss .* steps/s .* tok/s \| eta", bar[-1])
+  workdir = runs[0]
+  assert "sample" in output and str(workdir) in output
+  assert (workdir / "checkpoints" / "2").is_dir() and (workdir / "loss.png").exists()
+  assert json.loads((workdir / "summary.json").read_text())["final_loss"] > 0
+
+
+def test_seg3d_trains_one_step(runs):
+  result = runs[1]["train_seg3d"]
+  ok(result)
+  workdir = result["workdir"]
+  assert (workdir / "checkpoints" / "1").is_dir() and (workdir / "loss.png").exists()
+  assert "eval_dice" in read_metrics(workdir / "metrics.jsonl")[-1]
 
 
 def test_a_finished_run_rerun_says_so_and_changes_nothing(runs):

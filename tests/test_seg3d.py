@@ -15,20 +15,16 @@ from neurips26_jax.models.unet3d import UNet3D, param_count, unet3d_matching
 from neurips26_jax.train import seg3d_task, trainer
 from neurips26_jax.train.data import volumes
 from neurips26_jax.train.metrics import read_metrics
-from tests import binaries
 from tests.layer_formula_checks import (P, build, close, normal, pack3d_layer_numpy,
                                          randomize, rms_norm, run, silu, stats_match,
                                          swiglu_numpy, two_fields)
 
 
-RNGS = lambda: nnx.Rngs(jax.random.key(0, impl="rbg"))   # fast-compiling init
-
-
 @functools.cache
 def segmenter():
-  return Pack3DSegmenter(num_classes=4, d_model=12, depth=1, num_heads=2,
-                         ffn_options={"d_ff": 24}, attention_options={"block_shape": (2, 2, 2)},
-                         impl="xla", rngs=RNGS())
+  return build(Pack3DSegmenter, num_classes=4, d_model=12, depth=1, num_heads=2,
+               ffn_options={"d_ff": 24}, attention_options={"block_shape": (2, 2, 2)},
+               impl="xla")
 
 
 def test_segmenter_is_invariant_to_the_packing_order():
@@ -36,10 +32,10 @@ def test_segmenter_is_invariant_to_the_packing_order():
   b = volumes.pack(fields, items=1, patch=(4, 4, 4), num_tokens=32)    # 24 + 8 padding
   model = segmenter()
   args = (b["tokens"], b["coords"], b["field_ids"])
-  logits = model(*args)
+  logits = run(model, *args)
   assert logits.shape == (1, 32, 64, 4)
   perm = np.random.default_rng(0).permutation(32)
-  shuffled = model(*(a[:, perm] for a in args))
+  shuffled = run(model, *(a[:, perm] for a in args))
   np.testing.assert_allclose(shuffled, logits[:, perm], atol=1e-5)
   vols = voxel_logits(logits[0], [(8, 8, 12)] * 2, (4, 4, 4))
   assert [v.shape for v in vols] == [(8, 8, 12, 4)] * 2
@@ -49,8 +45,8 @@ def test_segmenter_is_invariant_to_the_packing_order():
 
 
 def test_unet_shapes_and_size_matching():
-  model = UNet3D(num_classes=4, base_channels=4, levels=2, rngs=RNGS())
-  assert model(jnp.ones((1, 8, 8, 12, 1))).shape == (1, 8, 8, 12, 4)
+  model = build(UNet3D, num_classes=4, base_channels=4, levels=2)
+  assert run(model, jnp.ones((1, 8, 8, 12, 1))).shape == (1, 8, 8, 12, 4)
   with pytest.raises(ValueError, match="divisible"):
     model(jnp.ones((1, 7, 8, 8, 1)))
   target = param_count(segmenter())
@@ -61,7 +57,7 @@ def test_unet_shapes_and_size_matching():
 
 
 def test_unet_training_reports_loss_and_dice(tmp_path):
-  """(Pack3DSegmenter training runs in test_binary_one_step.)"""
+  """(Pack3DSegmenter training runs in tests/test_cli.py and tests/test_inference.py.)"""
   c = seg3d_smoke.get_config()
   c.steps, c.eval_every, c.checkpoint_every, c.batch_size = 2, 2, 2, 2
   c.mesh.data = 2
@@ -81,12 +77,6 @@ def test_bad_config_names_the_field(field, value, message):
   c[section][leaf] = value
   with pytest.raises(ValueError, match=message):
     seg3d_task.build_task(c)
-
-
-def test_binary_one_step(tmp_path):
-  binaries.run_one_step("neurips26_jax.train.train_seg3d", "configs/seg3d_smoke.py", tmp_path)
-  assert (tmp_path / "checkpoints" / "1").is_dir() and (tmp_path / "loss.png").exists()
-  assert "eval_dice" in read_metrics(tmp_path / "metrics.jsonl")[-1]
 
 
 @pytest.mark.slow

@@ -1,7 +1,6 @@
 """The trainer on the byte-level LM: sharding, resume, NaN stop, bad configs, the binary."""
 
 import dataclasses
-import json
 import pathlib
 
 import chex
@@ -14,7 +13,6 @@ from flax import nnx
 from neurips26_jax.configs import lm_smoke
 from neurips26_jax.train import lm_task, trainer
 from neurips26_jax.train.metrics import read_metrics
-from tests import binaries
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -143,13 +141,6 @@ def test_bad_config_fails_before_compiling_naming_the_field(tmp_path, field, val
   with pytest.raises(ValueError, match=message):
     lm_task.train_and_evaluate(c, str(tmp_path))
   assert not (tmp_path / "checkpoints").exists()
-
-
-def test_binary_one_step(tmp_path):
-  out = binaries.run_one_step("neurips26_jax.train.train_lm", "configs/lm_smoke.py", tmp_path)
-  assert "sample" in out.stdout and str(tmp_path) in out.stdout
-  assert (tmp_path / "checkpoints" / "1").is_dir() and (tmp_path / "loss.png").exists()
-  assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] > 0
 
 
 def test_synthetic_task_trains_with_masked_loss_and_accuracy(tmp_path):
