@@ -129,20 +129,18 @@ def test_sharded_losses_equal_one_device(tmp_path):
 
 
 def _kernel_case(kind):
-  """(model, inputs, (module, kernel name)) for a one-block model whose `kind` layer calls its
-  Pallas kernel (interpreted here) with H = 2 heads and a batch of 4."""
+  """(model, inputs, [(module, kernel name)]) for a one-block model whose layers call their
+  Pallas kernels (interpreted here) with H = 2 heads and a batch of 4: the FRAC mixer and
+  FlashFFN in one LM block (one program for both), or Pack3D attention."""
   from neurips26_jax.pallas_kernels import flash_ffn, frac_scan, pack3d_attention
   tokens = jnp.arange(4 * 16).reshape(4, 16) % 256
-  if kind == "flashffn":
-    model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=16, ffn="flashffn",
-                          ffn_options={"num_heads": 2, "num_experts": 2, "d_expert": 16},
-                          impl="pallas", rngs=nnx.Rngs(0))
-    return model, (tokens,), (flash_ffn, "mhffn_routed")
-  if kind == "frac":
+  if kind == "frac_flashffn":
     model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=16, mixer="frac",
                           mixer_options={"head_dim": 16, "state_dim": 8, "chunk": 8},
-                          ffn_options={"d_ff": 32}, impl="pallas", rngs=nnx.Rngs(0))
-    return model, (tokens,), (frac_scan, "frac_scan")
+                          ffn="flashffn",
+                          ffn_options={"num_heads": 2, "num_experts": 2, "d_expert": 16},
+                          impl="pallas", rngs=nnx.Rngs(0))
+    return model, (tokens,), [(frac_scan, "frac_scan"), (flash_ffn, "mhffn_routed")]
   from tests.test_pack3d import packed
   coords, field_ids = packed(([(3, 4, 5)], [(2, 5, 6)], [(2, 3, 4), (3, 3, 4)], [(6, 5, 2)]))
   model = Pack3DSegmenter(patch=(1, 1, 1), in_channels=2, num_classes=3, d_model=12, depth=1,
@@ -151,10 +149,10 @@ def _kernel_case(kind):
                           rngs=nnx.Rngs(0))
   voxels = jax.random.normal(jax.random.key(1), coords.shape[:2] + (2,))
   return (model, (voxels, jnp.asarray(coords), jnp.asarray(field_ids)),
-          (pack3d_attention, "pack3d_attention"))
+          [(pack3d_attention, "pack3d_attention")])
 
 
-@pytest.mark.parametrize("kind", ["flashffn", "frac", "pack3d"])
+@pytest.mark.parametrize("kind", ["frac_flashffn", "pack3d"])
 def test_kernels_run_on_local_heads_under_shard_map(kind, monkeypatch):
   """Under the 2x2x2 mesh each Pallas layer (FlashFFN, the FRAC mixer, Pack3D attention) runs
   its kernel on its local head (H = 2 split over tensor = 2) and a quarter of the batch, with
@@ -162,26 +160,29 @@ def test_kernels_run_on_local_heads_under_shard_map(kind, monkeypatch):
   gradients equal the unsharded ones (to 1e-5 of each array's largest entry: float32
   reductions split differently). FRAC's gated norm spans all heads, so its
   statistic is summed across the split (partitioning.psum_heads), gradient included."""
-  model, inputs, (module, name) = _kernel_case(kind)
-  seen = []
-  original = getattr(module, name)
+  model, inputs, kernels = _kernel_case(kind)
+  seen = {name: [] for _, name in kernels}
+  for module, name in kernels:
+    original = getattr(module, name)
 
-  def spy(q, *args, **kwargs):
-    seen.append(q.shape)                 # [B, L, H, head dim]
-    return original(q, *args, **kwargs)
+    def spy(q, *args, _name=name, _original=original, **kwargs):
+      seen[_name].append(q.shape)          # [B, L, H, head dim]
+      return _original(q, *args, **kwargs)
 
-  monkeypatch.setattr(module, name, spy)
+    monkeypatch.setattr(module, name, spy)
 
   def loss(m, *inputs):
     return jnp.sum(jnp.sin(m(*inputs)))
 
   step = nnx.jit(lambda m, *inputs: nnx.value_and_grad(loss)(m, *inputs))
   expected = step(model, *inputs)
-  batch, length, heads, width = seen[-1]
-  assert (batch, heads) == (4, 2)
+  shapes = {name: shapes[-1] for name, shapes in seen.items()}
+  for batch, _, heads, _ in shapes.values():
+    assert (batch, heads) == (4, 2)
   with jax.set_mesh(sharding.make_mesh(MESH)):
     got = step(model, *inputs)
-  assert seen[-1] == (1, length, 1, width)       # B / (data fsdp), L, H / tensor, head dim
+  for name, (_, length, _, width) in shapes.items():   # B / (data fsdp), L, H / tensor, d_h
+    assert seen[name][-1] == (1, length, 1, width), name
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))))
 
