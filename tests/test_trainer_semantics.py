@@ -142,12 +142,14 @@ def test_scales_are_never_decayed_whatever_their_rank():
   (the LM's RMSNorm scales [d] and FlashFFN's per-head gain [H, d_h]) and for vectors, and
   -lr * wd * w for weight matrices (the FlashFFN tables, W_in, the embedding)."""
   from neurips26_jax.models.lm import LanguageModel  # noqa: PLC0415
-  model = LanguageModel(d_model=32, num_layers=1, num_heads=2, context=8, ffn="flashffn",
-                        ffn_options={"num_heads": 2}, rngs=nnx.Rngs(0))
+  from tests.layer_formula_checks import build  # noqa: PLC0415
+  model = build(LanguageModel, d_model=32, num_layers=1, num_heads=2, context=8, ffn="flashffn",
+                ffn_options={"num_heads": 2})
   params = nnx.state(model, nnx.Param)
   c = optim_config(warmup_steps=0)
   tx = optim.make_optimizer(c, 10)
-  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  updates = jax.jit(lambda p: tx.update(jax.tree.map(jnp.zeros_like, p), tx.init(p), p)[0])(
+      params)           # one program (eagerly, every op of the update compiles its own)
   flat = dict(nnx.to_flat_state(updates))
   gains = [k for k in flat if k[-1] in ("norm_gain", "scale")]
   assert any(k[-1] == "norm_gain" and flat[k].ndim == 2 for k in gains)
