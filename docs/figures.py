@@ -9,6 +9,7 @@
             slice (sum of single-chip static estimates, collectives modelled)
 
   python docs/figures.py build/figures      # the figures and tables alone
+  python docs/figures.py --readme           # README.md's summary rows that have a record
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+BEGIN, END = "<!-- results-summary:begin -->", "<!-- results-summary:end -->"
+COMPILE = ROOT / "benchmarks" / "aot" / "results.json"
 PERF = ROOT / "benchmarks" / "aot" / "perf.json"
 STEP = ROOT / "benchmarks" / "aot" / "step_estimate.json"
 QUALITY = ["lm_ffn_shakespeare", "lm_ffn_large_shakespeare", "lm_ffn_stdlib_py312"]
@@ -78,6 +82,50 @@ def step_rows(estimates: list[dict]) -> list[dict]:
                      vs_base=(None if b is None or "step_ms" not in r else
                               [x / y for x, y in zip(r["step_ms"], b["step_ms"])])))
   return rows
+
+
+def readme_rows() -> str:
+  """README's summary rows computed from the records (ratios as time ours / baseline, so
+  below 1 is faster), one markdown row each."""
+  sys.path.insert(0, str(ROOT))
+  from benchmarks.aot.check import verdict  # noqa: PLC0415
+  compiled = json.loads(COMPILE.read_text())
+  passed = sum(not verdict(r) for r in compiled)
+  targets = sorted({r["target"] for r in compiled})
+  speed = speed_rows(json.loads(PERF.read_text()))
+  time = lambda pair, target, direction, dtype="bfloat16": next(
+      (f"{r['ours'] / r['base']:.2f}x" for r in speed if r["pair"].startswith(pair)
+       and (r["target"], r["direction"], r["dtype"]) == (target, direction, dtype)), "n/a")
+  steps = [r for r in step_rows(json.loads(STEP.read_text()))
+           if r["config"] == "125m" and r["remat"] == "mixer" and r["step_ms"]]
+  step_cells = "; ".join(f"{r['model']} {fmt_ms(r['step_ms'])} ms"
+                         + (f" ({fmt_x(r['vs_base'])})" if r["model"] != "attention + swiglu"
+                            else "") for r in steps)
+  missing = sorted(r["model"] for r in step_rows(json.loads(STEP.read_text()))
+                   if r["config"] == "125m" and r["error"])
+  rows = [
+      ("Kernels through the real compilers, fwd + grad, f32 + bf16 (`make compile-check`; "
+       f"{', '.join(targets)})", f"{passed}/{len(compiled)} cases pass"),
+      ("FlashFFN kernels' time vs a FLOP-matched XLA SwiGLU, 370M head shape, 4k tokens, "
+       "bf16 (libtpu static estimate, not a timing)",
+       f"v5e: fwd {time('FlashFFN kernels', 'tpu-v5e', 'fwd')}, fwd+bwd "
+       f"{time('FlashFFN kernels', 'tpu-v5e', 'fwd+bwd')}; v6e: fwd "
+       f"{time('FlashFFN kernels', 'tpu-v6e', 'fwd')}, fwd+bwd "
+       f"{time('FlashFFN kernels', 'tpu-v6e', 'fwd+bwd')}; the layer's forward vs SwiGLU's "
+       f"layer {time('FlashFFN layer', 'tpu-v5e', 'fwd')} (v5e)"),
+      ("FRAC kernel's time vs its XLA chunked scan, bf16 (libtpu static estimate)",
+       f"v5e: fwd {time('FRAC', 'tpu-v5e', 'fwd')}, fwd+bwd "
+       f"{time('FRAC', 'tpu-v5e', 'fwd+bwd')}; v6e: fwd {time('FRAC', 'tpu-v6e', 'fwd')}, "
+       f"fwd+bwd {time('FRAC', 'tpu-v6e', 'fwd+bwd')}"),
+      ("The 125M LMs' train step on v5e-16, 4k context, remat \"mixer\" (sum of single-chip "
+       "static estimates, collectives modelled)",
+       step_cells + (f"; not compiled: {', '.join(missing)}" if missing else "")),
+  ]
+  return "\n".join(["| item | number |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows])
+
+
+fmt_ms = lambda xs: "-".join(f"{x:.1f}" for x in xs)
+fmt_x = lambda xs: "-".join(f"{x:.2f}x" for x in xs)
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -166,4 +214,9 @@ def render(out: pathlib.Path) -> None:
 
 
 if __name__ == "__main__":
-  render(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "build" / "figures")
+  if sys.argv[1:] == ["--readme"]:
+    sys.path.insert(0, str(ROOT))
+    from tools.readme_section import replace_section  # noqa: PLC0415
+    replace_section(README, BEGIN, END, readme_rows())
+  else:
+    render(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "build" / "figures")

@@ -94,6 +94,15 @@ def test_results_are_computed_from_the_records():
   assert len(figures.speed_rows(recorded)) >= 20   # the recorded pairs are all found
 
 
+def test_readme_summary_rows_match_their_records():
+  """README's computed summary rows are what the records give today (rewrite them with
+  `python docs/figures.py --readme` after a benchmark writes a new record)."""
+  figures = _figures()
+  text = figures.README.read_text()
+  block = text.split(figures.BEGIN, 1)[1].split(figures.END, 1)[0].strip()
+  assert block == figures.readme_rows()
+
+
 @pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
 def test_page_examples_run(page):
   text = (DOCS / page).read_text()
