@@ -34,25 +34,32 @@ if MOSAIC_GPU:  # its chunk is 64 tokens: here one chunk (tests/test_frac_mosaic
                                           backend="mosaic_gpu")
 
 
-def make_inputs(dtype=jnp.float32, shape=(BT, L, H, P, N, M), seed=0):
-  """Random inputs (never zeros): x, b, c in `dtype`; dt, rates, weights, state float32."""
+def make_inputs(dtype=jnp.float32, shape=(BT, L, H, P, N, M), seed=2):
+  """Random inputs (never zeros): x, b, c in `dtype`; dt, rates, weights, state float32.
+  Drawn with numpy: each jax.random call would compile a program per shape."""
   bt, l, h, p, n, m = shape
-  ks = jax.random.split(jax.random.key(seed), 5)
-  x = jax.random.normal(ks[0], (bt, l, h, p))
-  dt = jax.nn.softplus(jax.random.normal(ks[1], (bt, l, h)))
-  b, c = 0.5 * jax.random.normal(ks[2], (2, bt, l, h, n))
-  rates = jnp.exp(jax.random.uniform(ks[3], (h, m), minval=-4.0, maxval=1.5))
-  weights = jax.random.uniform(ks[4], (h, m), minval=0.1, maxval=1.0)
-  state = jax.random.normal(ks[4], (bt, h, m, n, p))
-  return (x.astype(dtype), dt, b.astype(dtype), c.astype(dtype), rates, weights, state)
+  rng = np.random.default_rng(seed)
+  normal = lambda *s: rng.standard_normal(s, np.float32)
+  x = normal(bt, l, h, p)
+  dt = np.logaddexp(np.float32(0), normal(bt, l, h))                      # softplus
+  b, c = 0.5 * normal(2, bt, l, h, n)
+  rates = np.exp(rng.uniform(-4.0, 1.5, (h, m))).astype(np.float32)
+  weights = rng.uniform(0.1, 1.0, (h, m)).astype(np.float32)
+  state = normal(bt, h, m, n, p)
+  return tuple(jax.device_put(a) for a in (x.astype(dtype), dt, b.astype(dtype),
+                                           c.astype(dtype), rates, weights, state))
+
+
+def forward_and_grads(op):
+  """jit of the seven arguments -> ((y, state), their gradients) on `op`."""
+  grad = jax.grad(functools.partial(kernel_checks.sin_loss, op), argnums=tuple(range(7)))
+  return jax.jit(lambda *a: (op(*a), grad(*a)))
 
 
 @functools.lru_cache(maxsize=None)
 def compiled(path: str):
-  """jit of the seven arguments -> ((y, state), their gradients) on `path` or the reference."""
-  op = ops.frac_scan_reference if path == "reference" else PATHS[path]
-  grad = jax.grad(functools.partial(kernel_checks.sin_loss, op), argnums=tuple(range(7)))
-  return jax.jit(lambda *a: (op(*a), grad(*a)))
+  """forward_and_grads on `path` or the reference."""
+  return forward_and_grads(ops.frac_scan_reference if path == "reference" else PATHS[path])
 
 
 # Every path in float32 (Mosaic GPU's default-run case is in tests/test_frac_mosaic_gpu.py),
@@ -86,13 +93,11 @@ def test_mosaic_several_chunks_per_grid_step(length, chunk, blocks):
   args = make_inputs(jnp.float32, shape=shape, seed=1)
   op = functools.partial(kernel.frac_scan, interpret=True, backend="mosaic", chunk=chunk,
                          **blocks)
-  grad = lambda f: jax.jit(jax.grad(functools.partial(kernel_checks.sin_loss, f),
-                                    argnums=tuple(range(7))))
-  (y, s), (y_ref, s_ref) = op(*args), ops.frac_scan_reference(*args)
+  (y, s), grads = forward_and_grads(op)(*args)
+  (y_ref, s_ref), grads_ref = compiled("reference")(*args)
   kernel_checks.assert_close(y, y_ref, rtol=TOL[jnp.float32], name="y")
   kernel_checks.assert_close(s, s_ref, rtol=TOL[jnp.float32], name="state")
-  kernel_checks.assert_grads_close(grad(op)(*args), grad(ops.frac_scan_reference)(*args), args,
-                                   ARGNAMES, rtol=TOL[jnp.float32])
+  kernel_checks.assert_grads_close(grads, grads_ref, args, ARGNAMES, rtol=TOL[jnp.float32])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -103,16 +108,18 @@ def test_stacked_chunk_equals_mode_at_a_time(dtype):
   (`frac_chunk._state_dot`), the other form's 24; 1e-5 catches one bf16 pass (8 bits)."""
   from neurips26_jax.jaxops import frac_chunk as fc
   q, n, p, m, m_pad = 32, 16, 24, 5, 8
-  ks = jax.random.split(jax.random.key(3), 8)
-  x, dy = jax.random.normal(ks[0], (2, q, p)).astype(dtype)
-  c, bd = jax.random.normal(ks[1], (2, q, n)) * jnp.array([1.0, 0.1])[:, None, None]
-  c = c.astype(dtype)
-  t = jnp.cumsum(jax.nn.softplus(jax.random.normal(ks[2], (q, 1))), axis=0)
-  pad = lambda a: jnp.pad(a, ((0, 0), (0, m_pad - m)))
-  modes = fc.Modes(pad(jnp.exp(jax.random.uniform(ks[3], (1, m), minval=-4.0, maxval=1.5))),
-                   pad(jax.random.uniform(ks[4], (1, m), minval=0.1, maxval=1.0)))
-  states, dstates = (jnp.pad(jax.random.normal(k, (m, n, p)), ((0, m_pad - m), (0, 0), (0, 0)))
-                     for k in ks[5:7])
+  # numpy draws: each jax.random call (and eager op) would compile a program of its own
+  rng = np.random.default_rng(3)
+  normal = lambda *s: rng.standard_normal(s, np.float32)
+  x, dy = (jnp.asarray(a.astype(dtype)) for a in normal(2, q, p))
+  c, bd = normal(2, q, n) * np.array([1.0, 0.1], np.float32)[:, None, None]
+  c, bd = jnp.asarray(c.astype(dtype)), jnp.asarray(bd)
+  t = jnp.asarray(np.cumsum(np.logaddexp(np.float32(0), normal(q, 1)), axis=0))
+  pad = lambda a: jnp.asarray(np.pad(a.astype(np.float32), ((0, 0), (0, m_pad - m))))
+  modes = fc.Modes(pad(np.exp(rng.uniform(-4.0, 1.5, (1, m)))),
+                   pad(rng.uniform(0.1, 1.0, (1, m))))
+  states, dstates = (jnp.asarray(np.pad(normal(m, n, p), ((0, m_pad - m), (0, 0), (0, 0))))
+                     for _ in range(2))
   stack = lambda a: a.reshape(m_pad * n, p)
   stacked = functools.partial(jax.jit, static_argnames="num_modes")
   y, end = jax.jit(fc.chunk_forward)(x, bd, c, t, modes, list(states[:m]))
