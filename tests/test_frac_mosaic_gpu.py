@@ -25,10 +25,10 @@ from tests.test_frac_independent import FRAC_NAMES
 pytestmark = needs_mosaic_gpu
 F32, BF16 = jnp.float32, jnp.bfloat16
 
-# (Bt, L, H, P, N, M). The default: 3 chunks of 64 (the last partial), P = 70 in two
+# (Bt, L, H, P, N, M). The default: 2 chunks of 64 (the second partial), P = 70 in two
 # 64-column blocks (the second mostly padding), N = 5 padded to 16, M = 5 padded to 8 (the
 # backward's state terms in two blocks of 4, the second mostly padding).
-SHAPE = (1, 150, 2, 70, 5, 5)
+SHAPE = (1, 100, 2, 70, 5, 5)
 # A sequence shorter than a chunk (the plan's 32-token chunk, padded to 64 inside the
 # kernel: the only case of the kernel's own token padding, so it runs by default too).
 SHORT = (1, 20, 1, 8, 3, 2)
