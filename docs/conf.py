@@ -109,8 +109,8 @@ def plain_to_rest(lines: list[str]) -> list[str]:
         i += 1
       while block and not block[-1].strip():
         block.pop()
-      said = [o for o in out if o.strip()]
-      intro = [] if said and said[-1].rstrip().endswith("::") else ["", "::"]
+      last = next((o for o in reversed(out) if o.strip()), "")
+      intro = [] if last.rstrip().endswith("::") else ["", "::"]
       out += intro + [""] + ["   " + b for b in block] + [""]
       continue
     out.append(_escape(line))

@@ -96,13 +96,12 @@ def readme_rows() -> str:
   time = lambda pair, target, direction, dtype="bfloat16": next(
       (f"{r['ours'] / r['base']:.2f}x" for r in speed if r["pair"].startswith(pair)
        and (r["target"], r["direction"], r["dtype"]) == (target, direction, dtype)), "n/a")
-  steps = [r for r in step_rows(json.loads(STEP.read_text()))
-           if r["config"] == "125m" and r["remat"] == "mixer" and r["step_ms"]]
-  step_cells = "; ".join(f"{r['model']} {fmt_ms(r['step_ms'])} ms"
-                         + (f" ({fmt_x(r['vs_base'])})" if r["model"] != "attention + swiglu"
-                            else "") for r in steps)
-  missing = sorted(r["model"] for r in step_rows(json.loads(STEP.read_text()))
-                   if r["config"] == "125m" and r["error"])
+  at_125m = [r for r in step_rows(json.loads(STEP.read_text())) if r["config"] == "125m"]
+  steps = [r for r in at_125m if r["remat"] == "mixer" and r["step_ms"]]
+  step_cells = "; ".join(f"{r['model']} {_range(r['step_ms'], '{:.1f}')} ms"
+                         + (f" ({_range(r['vs_base'], '{:.2f}x')})"
+                            if r["model"] != "attention + swiglu" else "") for r in steps)
+  missing = sorted(r["model"] for r in at_125m if r["error"])
   rows = [
       ("Kernels through the real compilers, fwd + grad, f32 + bf16 (`make compile-check`; "
        f"{', '.join(targets)})", f"{passed}/{len(compiled)} cases pass"),
@@ -124,8 +123,9 @@ def readme_rows() -> str:
   return "\n".join(["| item | number |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows])
 
 
-fmt_ms = lambda xs: "-".join(f"{x:.1f}" for x in xs)
-fmt_x = lambda xs: "-".join(f"{x:.2f}x" for x in xs)
+def _range(xs, fmt: str) -> str:
+  """A [low, high] estimate as "low-high" in `fmt` ("-" when there is none)."""
+  return "-" if xs is None else "-".join(fmt.format(x) for x in xs)
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -181,7 +181,6 @@ def render(out: pathlib.Path) -> None:
   steps = step_rows(json.loads(STEP.read_text()))
   _plot_speed(speed, out / "speed.svg")
   _plot_quality(quality, out / "quality.svg")
-  fmt_range = lambda xs, f: "-" if xs is None else "-".join(f.format(x) for x in xs)
   text = [
       "## Speed: each kernel against what it replaces\n",
       f"```{{image}} {out.name}/speed.svg\n:alt: speed ratios\n```\n",
@@ -207,7 +206,7 @@ def render(out: pathlib.Path) -> None:
       _table(["model size", "model", "context", "remat", "step (ms)",
               "vs attention + SwiGLU", "did not compile"],
              [[r["config"], r["model"], r["context"], r["remat"],
-               fmt_range(r["step_ms"], "{:.1f}"), fmt_range(r["vs_base"], "{:.2f}x"),
+               _range(r["step_ms"], "{:.1f}"), _range(r["vs_base"], "{:.2f}x"),
                r["error"] or "-"] for r in steps]),
   ]
   (out / "tables.md").write_text("\n".join(text))

@@ -1053,7 +1053,8 @@ def main(argv=None) -> int:
     for j in range(max(1, min(args.jobs, len(mutants)))):
       copies.append(pathlib.Path(tmp) / f"copy{j}")
       copy_tree(REPO, copies[-1])
-    probe = subprocess.run([sys.executable, "-c", "import neurips26_jax.jaxops as j; print(j.__file__)"],
+    probe = subprocess.run([sys.executable, "-c",
+                            "import neurips26_jax.jaxops as j; print(j.__file__)"],
                            cwd=copies[0], capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(copies[0])})
     if not probe.stdout.startswith(str(copies[0])):
@@ -1080,7 +1081,8 @@ def main(argv=None) -> int:
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(copies)) as pool:
       for mu, (passed, failed, seconds) in pool.map(work, mutants):
         results[mu.name] = passed
-        verdict = "SURVIVED" if passed else f"killed by {failed}"
+        verdict = (f"SURVIVED{f' ({failed})' if failed else ''}" if passed
+                   else f"killed by {failed}")
         print(f"{mu.name:45s} {verdict}  ({seconds:.0f}s)", flush=True)
 
   survivors = [name for name, passed in results.items() if passed]
